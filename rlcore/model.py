@@ -1,0 +1,311 @@
+"""A decoder-only transformer for the Llama, Qwen2/Qwen2.5 and Qwen3 families, from scratch.
+
+One module covers all three; they differ only in a few switches read from `config.json`:
+
+| family | q/k/v bias | o bias | q/k RMSNorm | head_dim |
+|--------|------------|--------|-------------|----------|
+| llama  | attention_bias | attention_bias | no | hidden/heads unless given |
+| qwen2  | yes        | no     | no          | hidden/heads |
+| qwen3  | attention_bias | attention_bias | yes (per head) | explicit |
+
+Parameter names match Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...) so a
+checkpoint's state dict loads with no renaming and saves back the same way.
+
+The forward pass returns final hidden states `[B, T, H]`; logits are a separate matmul
+(`model.logits(h)`) because the loss computes log-probs from `h` and `lm_head_weight` in chunks
+and never materialises `[B, T, V]`. Attention takes explicit positions, an optional boolean mask
+and an optional static KV cache, which is all the rollout engine needs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass
+class ModelConfig:
+    """The architecture, read from a Hugging Face `config.json`."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    raw: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_hf(cls, d: dict, source: str = "config.json") -> "ModelConfig":
+        """Build from the parsed `config.json` dict; `source` names the file in errors."""
+        model_type = d.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"{source}: unsupported model_type {model_type!r}; rlcore supports "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in d]
+        if missing:
+            raise ValueError(f"{source}: missing required keys {missing}")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
+        if d.get("use_sliding_window", False):
+            raise ValueError(f"{source}: use_sliding_window=true is not supported; set it to false")
+        heads = d["num_attention_heads"]
+        # transformers >= 5 writes rope settings as `rope_parameters`; older files use
+        # `rope_theta` + `rope_scaling`. Accept both.
+        rope = dict(d.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+        scaling = rope or d.get("rope_scaling")
+        if scaling is not None:
+            scaling = dict(scaling)
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
+            if kind not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(f"{source}: rope type {kind!r} is not supported; supported: "
+                                 f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+            scaling["rope_type"] = kind
+            if kind == "default":
+                scaling = None
+        attention_bias = bool(d.get("attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=True if model_type == "qwen2" else attention_bias,
+            o_bias=False if model_type == "qwen2" else attention_bias,
+            mlp_bias=bool(d.get("mlp_bias", False)) if model_type == "llama" else False,
+            qk_norm=model_type == "qwen3",
+            raw=dict(d),
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 (as HF does), scale in the input dtype.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies `[head_dim/2]` in fp32, with Llama 3 or linear scaling applied."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    if s["rope_type"] == "linear":
+        return inv_freq / s["factor"]
+    # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between.
+    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype):
+    """cos, sin `[B, 1, T, head_dim]` for positions `[B, T]`, computed in fp32."""
+    freqs = pos.float()[..., None] * inv_freq  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+@dataclass
+class KVCache:
+    """A static cache: plain preallocated tensors `[L, B, H_kv, S, D]` for keys and values.
+
+    Rows write at explicit slots, so rows of different lengths share one buffer. The owner
+    (the rollout engine) decides slots and masks; the model only reads and writes.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype,
+              device: torch.device | str = "cpu") -> "KVCache":
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device),
+                   torch.zeros(shape, dtype=dtype, device=device))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int, slots: torch.Tensor | None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        if cache is not None:
+            # Write this step's keys/values into the cache at `slots` [B, T], then attend over
+            # the whole buffer; `mask` hides slots that are empty or belong to the future.
+            idx = slots[:, None, :, None].expand(B, self.n_kv, T, self.head_dim)
+            cache.k[layer].scatter_(2, idx, k.to(cache.k.dtype))
+            cache.v[layer].scatter_(2, idx, v.to(cache.v.dtype))
+            k, v = cache.k[layer], cache.v[layer]
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads
+        )
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=b)
+        self.up_proj = nn.Linear(h, i, bias=b)
+        self.down_proj = nn.Linear(i, h, bias=b)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, cache, layer, slots):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, slots)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """Embedding, blocks and final norm; named `model` inside `Transformer` as in HF."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The output projection `[V, H]` (the embedding matrix when tied)."""
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states `[B, T, H]` (after the last norm), no logits.
+
+        input_ids `[B, T]`; positions `[B, T]` RoPE positions (default 0..T-1);
+        mask: bool, broadcastable to `[B, 1, T, S]`, True = may attend (default causal over the
+        T tokens; S = T without a cache, S = cache length with one);
+        cache/slots: write keys/values of the T tokens at cache slots `[B, T]` (default =
+        positions) and attend over the whole cache, which then requires `mask`.
+        """
+        B, T = input_ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        if cache is not None:
+            if mask is None:
+                raise ValueError("a KV cache needs an explicit attention mask over its slots")
+            if slots is None:
+                slots = positions
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, mask, cache, i, slots)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[..., V]` logits from hidden states; materialises the vocabulary dimension."""
+        return hidden @ self.lm_head_weight.T
+
+
+def padded_causal_mask(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask `[B, 1, T, T]` and positions `[B, T]` for a batch with padding anywhere.
+
+    attention_mask `[B, T]` is 1 on real tokens and 0 on pads (left, right or both).
+    Positions count real tokens only, so a left-padded prompt gets the same RoPE positions as
+    the unpadded one. Pad queries attend to themselves so no row is all-masked (no NaN).
+    """
+    am = attention_mask.bool()
+    T = am.shape[1]
+    positions = (am.long().cumsum(-1) - 1).clamp(min=0)
+    causal = torch.ones(T, T, dtype=torch.bool, device=am.device).tril()
+    mask = causal[None] & am[:, None, :]
+    mask = mask | torch.eye(T, dtype=torch.bool, device=am.device)[None]
+    return mask[:, None], positions

@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints built at test time (no downloads).
+
+transformers is a test-only reference; tests that need it skip with a reason where it is absent.
+"""
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+import pytest
+import torch
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+# name -> (transformers config class name, extra config kwargs)
+FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "llama3_rope": ("LlamaConfig", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}),
+    "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen2_tied": ("Qwen2Config", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", {"head_dim": 24}),
+    "qwen3_tied": ("Qwen3Config", {"head_dim": 24, "tie_word_embeddings": True}),
+}
+
+
+def make_hf_model(family: str = "qwen2", seed: int = 0, **overrides):
+    """A tiny random transformers model of `family` with weights large enough to matter."""
+    transformers = pytest.importorskip("transformers", reason="transformers is the reference")
+    cls_name, extra = FAMILIES[family]
+    cfg = getattr(transformers, cls_name)(**{**TINY, **extra, **overrides})
+    cfg.eos_token_id = 1
+    cfg.bos_token_id = 0
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)  # HF's init is near-uniform logits; larger weights make tests sharper
+    return model
+
+
+@pytest.fixture
+def hf_checkpoint(tmp_path):
+    """Factory: write a tiny HF checkpoint dir for `family`, return (path, transformers model)."""
+
+    def build(family: str = "qwen2", seed: int = 0, **overrides):
+        model = make_hf_model(family, seed, **overrides)
+        path = tmp_path / f"{family}-{seed}"
+        model.save_pretrained(path)
+        return path, model
+
+    return build
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
