@@ -1,0 +1,118 @@
+"""token_logprobs (chunked, custom autograd) against the naive fp64 log_softmax reference."""
+
+import pytest
+import torch
+
+from rlcore.losses.logprobs import token_logprobs
+
+B, T, H, V = 3, 5, 16, 37  # N = 15 rows: chunk sizes 1, 4, 7 leave a ragged last chunk
+
+
+def make_inputs(dtype=torch.float64, bias=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, H, generator=gen, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=gen, dtype=torch.float64) * 0.5
+    b = torch.randn(V, generator=gen, dtype=torch.float64) if bias else None
+    targets = torch.randint(V, (B, T), generator=gen)
+    leaves = [x.to(dtype).requires_grad_() for x in (hidden, weight) + ((b,) if bias else ())]
+    return leaves, targets
+
+
+def naive_fp64(hidden, weight, targets, temperature=1.0, bias=None):
+    """The definition: full [B, T, V] log-softmax in fp64, gathered at the targets."""
+    logits = hidden.double() @ weight.double().T
+    if bias is not None:
+        logits = logits + bias.double()
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    logp = logprobs.gather(-1, targets[..., None]).squeeze(-1)
+    entropy = -(logprobs.exp() * logprobs).sum(-1)
+    return logp, entropy
+
+
+def grads(outputs, inputs, upstream):
+    return torch.autograd.grad(outputs, inputs, upstream)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 7, 15, 1024])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("bias", [False, True])
+def test_logp_entropy_and_grads_match_naive_fp64(chunk_size, temperature, bias):
+    (hidden, weight, *b), targets = make_inputs(bias=bias)
+    b = b[0] if bias else None
+    logp, entropy = token_logprobs(hidden, weight, targets, temperature, chunk_size, bias=b)
+    ref_logp, ref_entropy = naive_fp64(hidden, weight, targets, temperature, b)
+    torch.testing.assert_close(logp, ref_logp, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(entropy, ref_entropy, rtol=1e-12, atol=1e-12)
+
+    upstream = torch.randn(B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    inputs = [hidden, weight] + ([b] if bias else [])
+    for got, want in zip(grads(logp, inputs, upstream), grads(ref_logp, inputs, upstream)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_gradcheck_fp64():
+    (hidden, weight, bias), targets = make_inputs(bias=True)
+    fn = lambda h, w, b: token_logprobs(h, w, targets, temperature=0.8, chunk_size=4, bias=b)[0]
+    assert torch.autograd.gradcheck(fn, (hidden, weight, bias))
+
+
+def test_fp32_matches_fp64_reference():
+    (hidden, weight), targets = make_inputs(dtype=torch.float32)
+    logp, entropy = token_logprobs(hidden, weight, targets, chunk_size=4)
+    ref_logp, ref_entropy = naive_fp64(hidden, weight, targets)
+    assert logp.dtype == torch.float32
+    torch.testing.assert_close(logp.double(), ref_logp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy.double(), ref_entropy, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_inputs_compute_in_fp32_and_return_bf16_grads():
+    """bf16 h and W: logits are formed in fp32 from the bf16 values, so the only error left
+    is fp32 rounding; grads come back in bf16 (one bf16 rounding of the fp64 grad)."""
+    (hidden, weight), targets = make_inputs(dtype=torch.bfloat16)
+    logp, entropy = token_logprobs(hidden, weight, targets, chunk_size=4)
+    hidden64, weight64 = (x.detach().double().requires_grad_() for x in (hidden, weight))
+    ref_logp, ref_entropy = naive_fp64(hidden64, weight64, targets)  # the same bf16 values
+    assert logp.dtype == torch.float32 and entropy.dtype == torch.float32
+    torch.testing.assert_close(logp.double(), ref_logp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy.double(), ref_entropy, rtol=1e-5, atol=1e-5)
+
+    upstream = torch.ones(B, T)
+    grad_h, grad_w = grads(logp, [hidden, weight], upstream)
+    ref_h, ref_w = grads(ref_logp, [hidden64, weight64], upstream.double())
+    assert grad_h.dtype == torch.bfloat16 and grad_w.dtype == torch.bfloat16
+    torch.testing.assert_close(grad_h.double(), ref_h, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(grad_w.double(), ref_w, rtol=1e-2, atol=1e-2)
+
+
+def test_entropy_carries_no_grad():
+    (hidden, weight), targets = make_inputs()
+    _, entropy = token_logprobs(hidden, weight, targets)
+    assert not entropy.requires_grad
+
+
+def test_frozen_weight_gets_no_grad_and_hidden_grad_is_unchanged():
+    (hidden, weight), targets = make_inputs()
+    frozen = weight.detach()
+    logp, _ = token_logprobs(hidden, frozen, targets, chunk_size=4)
+    logp.sum().backward()
+    ref_logp, _ = naive_fp64(hidden, frozen, targets)
+    (ref_h,) = torch.autograd.grad(ref_logp.sum(), hidden)
+    torch.testing.assert_close(hidden.grad, ref_h, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=0.0), "temperature"),
+    (dict(chunk_size=0), "chunk_size"),
+])
+def test_bad_arguments_raise(kwargs, message):
+    (hidden, weight), targets = make_inputs()
+    with pytest.raises(ValueError, match=message):
+        token_logprobs(hidden, weight, targets, **kwargs)
+
+
+def test_mismatched_shapes_raise():
+    (hidden, weight), targets = make_inputs()
+    with pytest.raises(ValueError, match="hidden size"):
+        token_logprobs(hidden, weight[:, :-1], targets)
+    with pytest.raises(ValueError, match="targets"):
+        token_logprobs(hidden, weight, targets[:, :-1])
