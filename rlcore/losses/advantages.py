@@ -1,0 +1,158 @@
+"""Rewards -> group-relative advantages (SPEC section 2).
+
+GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300) replaces PPO's value function with the
+statistics of G completions of the same prompt:  A_i = (r_i - mean_g(r)) / (std_g(r) + 1e-4).
+Dr. GRPO (Liu et al. 2025, arXiv:2503.20783) drops the std: A_i = r_i - mean_g(r).
+"""
+
+import numbers
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+SCALE_REWARDS = {"group": "group", True: "group", "batch": "batch", "none": "none", False: "none"}
+
+
+def score_completions(
+    reward_funcs: Sequence[Callable],
+    prompts: list,
+    completions: list,
+    columns: dict[str, list],
+    on_error: str = "raise",
+) -> Tensor:
+    """Call each reward function TRL-style and stack the scores into R [N, F] (NaN = None).
+
+    Each function is called as fn(prompts=..., completions=..., **columns) and must return one
+    float or None per completion. A function that raises is re-run one sample at a time to name
+    the offending sample; with on_error="none" the failing samples score None instead.
+    """
+    if on_error not in ("raise", "none"):
+        raise ValueError(f"on_error must be 'raise' or 'none', got {on_error!r}")
+    n = len(completions)
+    scores = torch.full((n, len(reward_funcs)), torch.nan)
+    for f, fn in enumerate(reward_funcs):
+        name = getattr(fn, "__name__", type(fn).__name__)
+        try:
+            values = fn(prompts=prompts, completions=completions, **columns)
+        except Exception as err:
+            values = _score_one_by_one(fn, name, prompts, completions, columns, on_error, err)
+        for i, value in enumerate(_check_scores(name, values, n)):
+            if value is not None:
+                scores[i, f] = float(value)
+    return scores
+
+
+def _check_scores(name: str, values, n: int) -> list:
+    """Validate one reward function's output: a sequence of n numbers or None."""
+    if not isinstance(values, Sequence) or isinstance(values, str):
+        raise TypeError(f"reward function {name} returned {type(values).__name__}; "
+                        f"it must return a list of {n} floats or None")
+    if len(values) != n:
+        raise ValueError(f"reward function {name} returned {len(values)} scores for {n} "
+                         "completions; it must return one float or None per completion")
+    for i, value in enumerate(values):
+        if value is not None and (not isinstance(value, numbers.Real) or isinstance(value, bool)):
+            raise TypeError(f"reward function {name} returned {value!r} ({type(value).__name__}) "
+                            f"for sample {i}; expected a float or None")
+    return list(values)
+
+
+def _score_one_by_one(fn, name, prompts, completions, columns, on_error, batch_err) -> list:
+    """Re-run `fn` per sample after it raised on the batch: name the culprit, or score it None."""
+    values = []
+    for i in range(len(completions)):
+        one = {key: [column[i]] for key, column in columns.items()}
+        try:
+            value = fn(prompts=[prompts[i]], completions=[completions[i]], **one)
+        except Exception as err:
+            if on_error == "none":
+                values.append(None)
+                continue
+            raise RuntimeError(
+                f"reward function {name} raised {type(err).__name__}: {err} on sample {i}: "
+                f"prompt={_short(prompts[i])}, completion={_short(completions[i])}. Fix the "
+                "function, or score failures as None (on_error='none')") from err
+        values += _check_scores(name, value, 1)
+    if on_error == "raise":
+        raise RuntimeError(f"reward function {name} raised {type(batch_err).__name__}: {batch_err} "
+                           f"on the batch of {len(completions)} but on no single sample") from batch_err
+    return values
+
+
+def _short(x, limit: int = 200) -> str:
+    text = repr(x)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _nanstd(x: Tensor, dim: int) -> Tensor:
+    """Bessel-corrected std ignoring NaN; NaN where fewer than two values are present."""
+    count = (~x.isnan()).sum(dim, keepdim=True)
+    dev = x - x.nanmean(dim, keepdim=True)
+    var = dev.square().nansum(dim, keepdim=True) / (count - 1)
+    return var.where(count > 1, torch.nan).sqrt().squeeze(dim)
+
+
+def compute_advantages(
+    rewards: Tensor,
+    num_generations: int,
+    reward_weights: list[float] | None = None,
+    scale_rewards: str | bool = "group",
+    reward_names: list[str] | None = None,
+) -> tuple[Tensor, dict]:
+    """Group-relative advantages A [N] from per-function rewards R [N, F] (NaN = unscorable).
+
+    r = nansum_f(w_f * R_f) (NaN where every function returned None); groups are G contiguous
+    rows; A = (r - nanmean_g) / (nanstd_g + 1e-4) for "group" (True), nanstd over the whole batch
+    for "batch", no division for "none" (False). NaN advantages become 0, and a group whose
+    valid rewards are all equal gets exactly 0. Returns (A, stats) with python-float stats:
+    reward/mean, reward/std, reward/<name>/mean per function (names default to "0", "1", ...),
+    frac_reward_zero_std (groups with fewer than two distinct valid rewards), advantage/mean,
+    advantage/abs_mean.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [N, F], got shape {tuple(rewards.shape)}")
+    n, num_funcs = rewards.shape
+    if num_generations < 1 or n % num_generations:
+        raise ValueError(f"{n} completions do not split into groups of num_generations="
+                         f"{num_generations}; the generation batch must be a multiple of it")
+    if reward_weights is None:
+        reward_weights = [1.0] * num_funcs
+    if len(reward_weights) != num_funcs:
+        raise ValueError(f"reward_weights has {len(reward_weights)} entries but there are "
+                         f"{num_funcs} reward functions; give one weight per function")
+    if reward_names is not None and len(reward_names) != num_funcs:
+        raise ValueError(f"reward_names has {len(reward_names)} entries for {num_funcs} reward functions")
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be 'group' (True), 'batch' or 'none' (False), "
+                         f"got {scale_rewards!r}")
+    scale = SCALE_REWARDS[scale_rewards]
+    rewards = rewards.double()
+    weights = torch.tensor(reward_weights, dtype=torch.float64, device=rewards.device)
+
+    r = (rewards * weights).nansum(dim=1)
+    r[rewards.isnan().all(dim=1)] = torch.nan  # no function could score it
+    groups = r.view(-1, num_generations)
+    mean = groups.nanmean(dim=1, keepdim=True)
+    adv = groups - mean
+    if scale == "group":
+        adv = adv / (_nanstd(groups, dim=1)[:, None] + 1e-4)
+    elif scale == "batch":
+        adv = adv / (_nanstd(r, dim=0) + 1e-4)
+    # (r - mean) of equal floats is not exactly 0 in floating point, so zero such groups explicitly
+    valid = ~groups.isnan()
+    top = groups.where(valid, -torch.inf).amax(dim=1)
+    bottom = groups.where(valid, torch.inf).amin(dim=1)
+    zero_std = ~(top > bottom)
+    adv = adv.masked_fill(zero_std[:, None] | adv.isnan(), 0.0).view(-1)
+
+    names = reward_names or [str(f) for f in range(num_funcs)]  # .item(): host syncs, once per round
+    stats = {
+        "reward/mean": r.nanmean().item(),
+        "reward/std": _nanstd(r, dim=0).item(),
+        **{f"reward/{name}/mean": rewards[:, f].nanmean().item() for f, name in enumerate(names)},
+        "frac_reward_zero_std": zero_std.double().mean().item(),
+        "advantage/mean": adv.mean().item(),
+        "advantage/abs_mean": adv.abs().mean().item(),
+    }
+    return adv.float(), stats

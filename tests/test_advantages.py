@@ -1,0 +1,165 @@
+"""Rewards -> advantages (SPEC section 2), checked against hand-computed numbers."""
+
+import math
+
+import pytest
+import torch
+
+from rlcore.losses.advantages import compute_advantages, score_completions
+
+NAN = float("nan")
+
+
+def close(got, want, tol=1e-6):
+    torch.testing.assert_close(got, torch.tensor(want, dtype=got.dtype), rtol=tol, atol=tol)
+
+
+def test_group_scaling_divides_by_bessel_std_plus_1e4():
+    # group [1, 2, 3]: mean 2, Bessel std 1; group [0, 0, 6]: mean 2, std sqrt(12)
+    rewards = torch.tensor([[1.0], [2.0], [3.0], [0.0], [0.0], [6.0]])
+    adv, _ = compute_advantages(rewards, num_generations=3)
+    s = math.sqrt(12) + 1e-4
+    close(adv, [-1 / 1.0001, 0.0, 1 / 1.0001, -2 / s, -2 / s, 4 / s])
+
+
+def test_scale_rewards_true_is_group():
+    rewards = torch.tensor([[1.0], [2.0], [3.0], [0.0], [0.0], [6.0]])
+    close(compute_advantages(rewards, 3, scale_rewards=True)[0],
+          compute_advantages(rewards, 3, scale_rewards="group")[0].tolist())
+
+
+def test_batch_scaling_divides_by_batch_std():
+    rewards = torch.tensor([[1.0], [2.0], [3.0], [0.0], [0.0], [6.0]])
+    adv, _ = compute_advantages(rewards, num_generations=3, scale_rewards="batch")
+    # batch: values 1,2,3,0,0,6, mean 2, squared deviations 1,0,1,4,4,16 -> var 26/5
+    s = math.sqrt(26 / 5) + 1e-4
+    close(adv, [-1 / s, 0.0, 1 / s, -2 / s, -2 / s, 4 / s])
+
+
+@pytest.mark.parametrize("scale", ["none", False])
+def test_no_scaling_is_dr_grpo_mean_centering(scale):
+    rewards = torch.tensor([[1.0], [2.0], [3.0], [0.0], [0.0], [6.0]])
+    adv, _ = compute_advantages(rewards, num_generations=3, scale_rewards=scale)
+    close(adv, [-1.0, 0.0, 1.0, -2.0, -2.0, 4.0])
+
+
+def test_rewards_are_weighted_sums_over_functions():
+    rewards = torch.tensor([[1.0, 1.0], [0.0, 1.0]])  # r = 2*R0 + 0.5*R1 = [2.5, 0.5]
+    adv, stats = compute_advantages(rewards, 2, reward_weights=[2.0, 0.5], scale_rewards="none")
+    close(adv, [1.0, -1.0])
+    assert stats["reward/mean"] == pytest.approx(1.5)
+
+
+def test_none_reward_is_skipped_in_the_weighted_sum():
+    # row 0: f0 None, f1 = 1 -> r = 1; row 1: r = 3 + 0 = 3
+    rewards = torch.tensor([[NAN, 1.0], [3.0, 0.0]])
+    adv, _ = compute_advantages(rewards, 2, scale_rewards="none")
+    close(adv, [-1.0, 1.0])
+
+
+def test_unscorable_row_gets_zero_advantage_and_leaves_group_stats():
+    # r = [1, NaN, 3]: the group mean and std use 1 and 3 only (mean 2, std sqrt(2))
+    rewards = torch.tensor([[1.0], [NAN], [3.0]])
+    adv, stats = compute_advantages(rewards, num_generations=3)
+    s = math.sqrt(2) + 1e-4
+    close(adv, [-1 / s, 0.0, 1 / s])
+    assert stats["reward/mean"] == pytest.approx(2.0)
+
+
+def test_equal_rewards_give_exactly_zero_advantage():
+    # 0.1 * 3 / 3 != 0.1 in floating point; the group must still get exactly 0
+    rewards = torch.tensor([[0.1], [0.1], [0.1], [0.0], [1.0], [0.0]])
+    for scale in ("group", "batch", "none"):
+        adv, _ = compute_advantages(rewards, 3, scale_rewards=scale)
+        assert adv[:3].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_frac_reward_zero_std_counts_groups_without_signal():
+    # groups: [1,1] equal, [0,1] signal, [NaN,2] one valid value, [NaN,NaN] unscorable
+    rewards = torch.tensor([[1.0], [1.0], [0.0], [1.0], [NAN], [2.0], [NAN], [NAN]])
+    adv, stats = compute_advantages(rewards, num_generations=2)
+    assert stats["frac_reward_zero_std"] == pytest.approx(3 / 4)
+    assert adv[[0, 1, 4, 5, 6, 7]].tolist() == [0.0] * 6
+
+
+def test_stats_report_reward_and_advantage_summaries_as_floats():
+    rewards = torch.tensor([[1.0, 0.0], [3.0, NAN], [5.0, 2.0], [5.0, 2.0]])
+    adv, stats = compute_advantages(rewards, 2, scale_rewards="none",
+                                    reward_names=["accuracy", "format"])
+    # r = [1, 3, 7, 7] -> A = [-1, 1, 0, 0]
+    assert stats == pytest.approx({
+        "reward/mean": 4.5,
+        "reward/std": math.sqrt(((1 - 4.5) ** 2 + (3 - 4.5) ** 2 + 2 * (7 - 4.5) ** 2) / 3),
+        "reward/accuracy/mean": 3.5,
+        "reward/format/mean": 4 / 3,
+        "frac_reward_zero_std": 0.5,
+        "advantage/mean": 0.0,
+        "advantage/abs_mean": 0.5,
+    })
+    assert all(type(v) is float for v in stats.values())
+
+
+def test_wrong_reward_weights_length_names_both_lengths():
+    with pytest.raises(ValueError, match="reward_weights has 3 entries but there are 2"):
+        compute_advantages(torch.zeros(4, 2), 2, reward_weights=[1.0, 1.0, 1.0])
+
+
+def test_batch_not_divisible_by_num_generations_raises():
+    with pytest.raises(ValueError, match="num_generations=4"):
+        compute_advantages(torch.zeros(6, 1), num_generations=4)
+
+
+def test_unknown_scale_rewards_raises():
+    with pytest.raises(ValueError, match="scale_rewards"):
+        compute_advantages(torch.zeros(4, 1), 2, scale_rewards="global")
+
+
+# score_completions ------------------------------------------------------------------------
+
+PROMPTS = ["p0", "p1", "p2"]
+COMPLETIONS = ["a", "bb", "ccc"]
+COLUMNS = {"answer": ["a", "x", "ccc"]}
+
+
+def exact_match(prompts, completions, answer, **kwargs):
+    return [float(c == a) for c, a in zip(completions, answer)]
+
+
+def length_or_none(prompts, completions, **kwargs):
+    return [None if len(c) == 2 else float(len(c)) for c in completions]
+
+
+def test_scores_stack_per_function_with_none_as_nan():
+    scores = score_completions([exact_match, length_or_none], PROMPTS, COMPLETIONS, COLUMNS)
+    expected = torch.tensor([[1.0, 1.0], [0.0, NAN], [1.0, 3.0]])
+    torch.testing.assert_close(scores, expected, equal_nan=True)
+
+
+def fails_on_bb(prompts, completions, **kwargs):
+    return [1 / (len(c) - 2) for c in completions]  # ZeroDivisionError on "bb"
+
+
+def test_raising_function_names_itself_and_the_sample():
+    with pytest.raises(RuntimeError, match=r"fails_on_bb raised ZeroDivisionError.*sample 1.*'p1'.*'bb'"):
+        score_completions([fails_on_bb], PROMPTS, COMPLETIONS, COLUMNS)
+
+
+def test_on_error_none_scores_only_the_failing_sample_as_nan():
+    scores = score_completions([fails_on_bb], PROMPTS, COMPLETIONS, COLUMNS, on_error="none")
+    torch.testing.assert_close(scores, torch.tensor([[-1.0], [NAN], [1.0]]), equal_nan=True)
+
+
+def test_wrong_number_of_scores_names_the_function():
+    def too_short(prompts, completions, **kwargs):
+        return [1.0]
+
+    with pytest.raises(ValueError, match="too_short returned 1 scores for 3 completions"):
+        score_completions([too_short], PROMPTS, COMPLETIONS, COLUMNS)
+
+
+def test_non_numeric_score_names_the_function_and_value():
+    def says_yes(prompts, completions, **kwargs):
+        return ["yes"] * len(completions)
+
+    with pytest.raises(TypeError, match="says_yes returned 'yes'"):
+        score_completions([says_yes], PROMPTS, COMPLETIONS, COLUMNS)
