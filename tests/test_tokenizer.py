@@ -1,0 +1,401 @@
+"""rlcore.tokenizer against transformers' AutoTokenizer on the same files.
+
+Each test builds a tiny byte-level BPE with the `tokenizers` library, saves it the way transformers
+does (PreTrainedTokenizerFast.save_pretrained) and checks that rlcore reads the same ids, text,
+special tokens and chat-template renderings as AutoTokenizer.from_pretrained(dir).
+
+tests/chat_templates/ holds the real templates, byte for byte as the model repos ship them (copied
+from TRL's trl/chat_templates): Qwen2.5 Instruct, Llama 3 Instruct and Llama 3.1 Instruct.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer as RustTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from rlcore.tokenizer import Tokenizer, check_vocab_fits
+
+transformers = pytest.importorskip("transformers", reason="transformers is the reference tokenizer")
+
+TEMPLATES = Path(__file__).parent / "chat_templates"
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! How are you today? I am fine, thank you.",
+    "Reinforcement learning from verifiable rewards: the answer is 42.",
+    "数学问题：二加二等于四。",
+    "café naïve résumé — déjà vu 🙂",
+    "def f(x):\n    return x * 2\n",
+]
+
+TEXTS = [
+    "Hello world!",
+    "  leading spaces, trailing spaces  ",
+    "tabs\tand\nnew\n\nlines\r\n",
+    "数学问题：二加二等于四。",
+    "emoji 🙂🚀 and accents: café, Ångström",
+    "unseen words: zyxwvut qqq",
+    "<|im_start|>user\nspecial tokens inside text<|im_end|>",
+    "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>",
+    "",
+]
+
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+LLAMA_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                  "<|eom_id|>", "<|eot_id|>"]
+
+MESSAGES = [
+    {"role": "system", "content": "You are a careful math tutor."},
+    {"role": "user", "content": "What is 2 + 2?  "},
+    {"role": "assistant", "content": "  It is 4. 🙂"},
+    {"role": "user", "content": "And 数学 × 3?\n"},
+]
+
+
+def train_bpe(special_tokens: list[str], bos: str | None = None) -> RustTokenizer:
+    """A byte-level BPE of a few hundred tokens, with `special_tokens` first; `bos` is prepended on
+    encode by the post-processor, as in Llama 3's tokenizer.json."""
+    tok = RustTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=special_tokens, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    if bos is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))])
+    return tok
+
+
+def save_checkpoint(path: Path, backend: RustTokenizer, chat_template: str | None = None,
+                    template_in_config: bool = False, **special_tokens) -> Path:
+    """Save as transformers does; the template goes to chat_template.jinja, or into
+    tokenizer_config.json with template_in_config."""
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, **special_tokens)
+    hf.chat_template = chat_template
+    hf.save_pretrained(path, save_jinja_files=not template_in_config)
+    return path
+
+
+def qwen_checkpoint(path: Path, chat_template: str | None = None, template_in_config: bool = False) -> Path:
+    """Qwen2.5 Instruct's special tokens: eos <|im_end|>, pad <|endoftext|>, no BOS."""
+    return save_checkpoint(path, train_bpe(QWEN_SPECIALS), chat_template, template_in_config,
+                           eos_token="<|im_end|>", pad_token="<|endoftext|>")
+
+
+def llama_checkpoint(path: Path, chat_template: str | None = None, template_in_config: bool = False) -> Path:
+    """Llama 3 Instruct's special tokens: bos <|begin_of_text|> added on encode, eos <|eot_id|>, no pad."""
+    backend = train_bpe(LLAMA_SPECIALS, bos="<|begin_of_text|>")
+    return save_checkpoint(path, backend, chat_template, template_in_config,
+                           bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+
+
+CHECKPOINTS = {"qwen": qwen_checkpoint, "llama": llama_checkpoint}
+
+
+def edit_json(path: Path, **changes) -> None:
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+def load_both(path: Path) -> tuple[Tokenizer, "transformers.PreTrainedTokenizerBase"]:
+    return Tokenizer.from_dir(path), transformers.AutoTokenizer.from_pretrained(path)
+
+
+# ---- text <-> ids ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", CHECKPOINTS)
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_encode_matches_transformers(tmp_path, family, add_special_tokens):
+    ours, ref = load_both(CHECKPOINTS[family](tmp_path))
+    for text in TEXTS:
+        assert ours.encode(text, add_special_tokens=add_special_tokens) == \
+            ref.encode(text, add_special_tokens=add_special_tokens), text
+
+
+@pytest.mark.parametrize("family", CHECKPOINTS)
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_matches_transformers(tmp_path, family, skip_special_tokens):
+    ours, ref = load_both(CHECKPOINTS[family](tmp_path))
+    for text in TEXTS:
+        ids = ref.encode(text)
+        assert ours.decode(ids, skip_special_tokens=skip_special_tokens) == \
+            ref.decode(ids, skip_special_tokens=skip_special_tokens), text
+
+
+def test_truncation_and_padding_saved_in_tokenizer_json_are_off_as_in_transformers(tmp_path):
+    backend = train_bpe(QWEN_SPECIALS)
+    backend.enable_truncation(max_length=4)
+    backend.enable_padding(pad_id=backend.token_to_id("<|endoftext|>"), pad_token="<|endoftext|>", length=64)
+    ours, ref = load_both(save_checkpoint(tmp_path, backend, eos_token="<|im_end|>"))
+    for text in TEXTS:
+        assert ours.encode(text) == ref.encode(text), text
+    assert len(ours.encode(TEXTS[1])) > 4
+    assert ours.pad_token_id == ref.pad_token_id == backend.token_to_id("<|endoftext|>")
+
+
+def test_decode_round_trips_unicode_and_whitespace(tmp_path):
+    ours = Tokenizer.from_dir(qwen_checkpoint(tmp_path))
+    for text in TEXTS:
+        assert ours.decode(ours.encode(text)) == text
+
+
+def test_batch_decode_matches_transformers_and_accepts_tensors(tmp_path):
+    ours, ref = load_both(llama_checkpoint(tmp_path))
+    batch = [ref.encode(text) for text in TEXTS[:3]]
+    expected = ref.batch_decode(batch, skip_special_tokens=True)
+    assert ours.batch_decode(batch, skip_special_tokens=True) == expected
+    assert ours.decode(torch.tensor(batch[0]), skip_special_tokens=True) == expected[0]
+    same_length = [ids[:4] for ids in batch]
+    assert ours.batch_decode(torch.tensor(same_length)) == ref.batch_decode(same_length)
+
+
+@pytest.mark.parametrize("family", CHECKPOINTS)
+def test_vocab_size_counts_added_tokens_like_len_of_transformers(tmp_path, family):
+    ours, ref = load_both(CHECKPOINTS[family](tmp_path))
+    assert ours.vocab_size == len(ref)
+
+
+# ---- special tokens --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", CHECKPOINTS)
+def test_special_tokens_match_transformers(tmp_path, family):
+    ours, ref = load_both(CHECKPOINTS[family](tmp_path))
+    assert (ours.bos_token, ours.eos_token, ours.unk_token) == (ref.bos_token, ref.eos_token, ref.unk_token)
+    assert ours.bos_token_id == ref.bos_token_id
+    assert ours.eos_token_id == ref.eos_token_id
+
+
+def test_pad_token_id_matches_transformers_when_set(tmp_path):
+    ours, ref = load_both(qwen_checkpoint(tmp_path))
+    assert ours.pad_token == ref.pad_token == "<|endoftext|>"
+    assert ours.pad_token_id == ref.pad_token_id
+
+
+def test_pad_falls_back_to_eos_when_tokenizer_has_none(tmp_path):
+    ours, ref = load_both(llama_checkpoint(tmp_path))
+    assert ref.pad_token_id is None
+    assert ours.pad_token is None
+    assert ours.pad_token_id == ref.eos_token_id
+
+
+def test_eos_ids_are_tokenizer_eos_then_generation_config_eos(tmp_path):
+    path = qwen_checkpoint(tmp_path)
+    ref = transformers.AutoTokenizer.from_pretrained(path)
+    im_end, endoftext = ref.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    transformers.GenerationConfig(eos_token_id=[endoftext, im_end]).save_pretrained(path)
+    ours = Tokenizer.from_dir(path)
+    generation_eos = transformers.GenerationConfig.from_pretrained(path).eos_token_id
+    assert set(ours.eos_token_ids) == {ref.eos_token_id, *generation_eos}
+    assert ours.eos_token_ids == [im_end, endoftext]
+    assert ours.eos_token_id == ref.eos_token_id == im_end
+
+
+def test_eos_ids_read_an_int_eos_from_generation_config_and_config_json(tmp_path):
+    path = llama_checkpoint(tmp_path)
+    ref = transformers.AutoTokenizer.from_pretrained(path)
+    eom, end_of_text = ref.convert_tokens_to_ids(["<|eom_id|>", "<|end_of_text|>"])
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eom}))
+    (path / "config.json").write_text(json.dumps({"eos_token_id": [end_of_text, eom]}))
+    assert Tokenizer.from_dir(path).eos_token_ids == [ref.eos_token_id, eom, end_of_text]
+
+
+def test_added_token_dicts_in_tokenizer_config_match_transformers(tmp_path):
+    path = qwen_checkpoint(tmp_path)
+    edit_json(path / "tokenizer_config.json",
+              eos_token={"__type": "AddedToken", "content": "<|endoftext|>", "special": True},
+              pad_token={"__type": "AddedToken", "content": "<|im_start|>"})
+    ours, ref = load_both(path)
+    assert (ours.eos_token, ours.eos_token_id) == (ref.eos_token, ref.eos_token_id)
+    assert (ours.pad_token, ours.pad_token_id) == (ref.pad_token, ref.pad_token_id)
+
+
+def test_special_tokens_map_overrides_a_config_without_added_tokens_decoder(tmp_path):
+    path = qwen_checkpoint(tmp_path)  # transformers v5 saves no added_tokens_decoder
+    (path / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": "<|endoftext|>"}}))
+    ours, ref = load_both(path)
+    assert ours.eos_token == ref.eos_token == "<|endoftext|>"
+    assert ours.eos_token_id == ref.eos_token_id
+
+
+def test_special_tokens_map_is_ignored_when_config_has_added_tokens_decoder(tmp_path):
+    path = qwen_checkpoint(tmp_path)
+    backend = RustTokenizer.from_file(str(path / "tokenizer.json"))
+    decoder = {str(i): {"content": token.content, "lstrip": False, "normalized": False, "rstrip": False,
+                        "single_word": False, "special": True}
+               for i, token in backend.get_added_tokens_decoder().items()}
+    edit_json(path / "tokenizer_config.json", added_tokens_decoder=decoder)  # as transformers v4 saved it
+    (path / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    ours, ref = load_both(path)
+    assert ours.eos_token == ref.eos_token == "<|im_end|>"
+
+
+# ---- chat templates --------------------------------------------------------------------------
+
+# (checkpoint, template file) pairs as the model repos ship them
+CHAT_CASES = {
+    "qwen2.5": (qwen_checkpoint, "qwen2_5.jinja"),
+    "llama3": (llama_checkpoint, "llama3.jinja"),
+    "llama3.1": (llama_checkpoint, "llama3_1.jinja"),
+}
+
+
+def chat_checkpoint(path: Path, case: str, template_in_config: bool = False) -> Path:
+    build, template_file = CHAT_CASES[case]
+    return build(path, (TEMPLATES / template_file).read_text(encoding="utf-8"), template_in_config)
+
+
+def assert_chat_matches(ours: Tokenizer, ref, messages: list[dict], **kwargs) -> None:
+    """Same text and same ids as transformers' apply_chat_template."""
+    text = ours.apply_chat_template(messages, tokenize=False, **kwargs)
+    assert text == ref.apply_chat_template(messages, tokenize=False, **kwargs)
+    ref_ids = ref.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
+    assert ours.apply_chat_template(messages, tokenize=True, **kwargs) == ref_ids
+
+
+@pytest.mark.parametrize("case", CHAT_CASES)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("template_in_config", [False, True], ids=["chat_template.jinja", "tokenizer_config"])
+def test_chat_template_matches_transformers(tmp_path, case, add_generation_prompt, template_in_config):
+    path = chat_checkpoint(tmp_path, case, template_in_config)
+    assert (path / "chat_template.jinja").exists() != template_in_config
+    ours, ref = load_both(path)
+    assert_chat_matches(ours, ref, MESSAGES, add_generation_prompt=add_generation_prompt)
+    assert_chat_matches(ours, ref, MESSAGES[1:3], add_generation_prompt=add_generation_prompt)
+
+
+def test_qwen_template_writes_its_default_system_message(tmp_path):
+    ours, ref = load_both(chat_checkpoint(tmp_path, "qwen2.5"))
+    text = ours.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+                    "<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert text == ref.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                           add_generation_prompt=True)
+
+
+def test_llama_template_ids_start_with_a_single_bos(tmp_path):
+    ours, ref = load_both(chat_checkpoint(tmp_path, "llama3.1"))
+    ids = ours.apply_chat_template(MESSAGES, tokenize=True)
+    assert ids[0] == ref.bos_token_id
+    assert ids[1] != ref.bos_token_id
+
+
+def test_default_of_a_list_of_named_templates_is_used(tmp_path):
+    path = qwen_checkpoint(tmp_path)
+    templates = [{"name": "tool_use", "template": "tools!"},
+                 {"name": "default", "template": (TEMPLATES / "qwen2_5.jinja").read_text()}]
+    edit_json(path / "tokenizer_config.json", chat_template=templates)
+    ours, ref = load_both(path)
+    assert_chat_matches(ours, ref, MESSAGES, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("case", ["qwen2.5", "llama3.1"])
+def test_tools_render_with_transformers_tojson(tmp_path, case):
+    """Tool schemas go through tojson: no ASCII or HTML escaping, indent=4 in Llama 3.1."""
+    tools = [{"type": "function", "function": {
+        "name": "compare", "description": "Is a < b & b > c? Gibt „ja“ zurück 🙂",
+        "parameters": {"type": "object", "properties": {"a": {"type": "number"}}, "required": ["a"]}}}]
+    ours, ref = load_both(chat_checkpoint(tmp_path, case))
+    assert_chat_matches(ours, ref, MESSAGES[1:2], add_generation_prompt=True, tools=tools)
+
+
+def test_extra_kwargs_reach_the_template(tmp_path):
+    ours, ref = load_both(chat_checkpoint(tmp_path, "llama3.1"))
+    assert "Today Date: 01 Jan 2025" in ours.apply_chat_template(MESSAGES, date_string="01 Jan 2025")
+    assert_chat_matches(ours, ref, MESSAGES, add_generation_prompt=True, date_string="01 Jan 2025")
+
+
+def test_template_globals_match_transformers(tmp_path):
+    """strftime_now, tojson with options, special token variables, loopcontrols, trim_blocks and
+    lstrip_blocks (the indented block tags below), and TRL's {% generation %} tag."""
+    template = """{{ strftime_now('%Y-%m-%d') }}|{{ messages | tojson(indent=2) }}|{{ eos_token }}{{ pad_token }}
+{% for m in messages %}
+    {% if loop.index > 2 %}
+        {% break %}
+    {% endif %}
+    [{{ m.content }}]
+{% endfor %}
+{% generation %}
+{{ 'tagged' }}
+{% endgeneration %}
+"""
+    ours, ref = load_both(qwen_checkpoint(tmp_path, template))
+    assert_chat_matches(ours, ref, MESSAGES, add_generation_prompt=False)
+
+
+def test_raise_exception_in_a_template_raises_template_error(tmp_path):
+    template = "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be user') }}{% endif %}"
+    ours = Tokenizer.from_dir(qwen_checkpoint(tmp_path, template))
+    import jinja2
+    with pytest.raises(jinja2.TemplateError, match="first message must be user"):
+        ours.apply_chat_template(MESSAGES)
+
+
+def test_none_valued_keys_and_reasoning_aliases_match_transformers(tmp_path):
+    template = ("{% for m in messages %}{{ m.role }}:{{ m.content | default('<none>') }}"
+                "/{{ m.reasoning_content }}/{{ m.thinking }};{% endfor %}")
+    ours, ref = load_both(qwen_checkpoint(tmp_path, template))
+    messages = [{"role": "user", "content": "q", "tool_calls": None},
+                {"role": "assistant", "content": None, "reasoning": "think first"}]
+    assert_chat_matches(ours, ref, messages, add_generation_prompt=False)
+
+
+def test_chat_template_argument_overrides_the_checkpoints(tmp_path):
+    ours = Tokenizer.from_dir(qwen_checkpoint(tmp_path))
+    assert ours.apply_chat_template(MESSAGES[1:2], chat_template="Q: {{ messages[0].content }}") == "Q: What is 2 + 2?  "
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+def test_missing_tokenizer_json_names_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json not found"):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_corrupt_tokenizer_json_names_the_file(tmp_path):
+    path = qwen_checkpoint(tmp_path)
+    (path / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    with pytest.raises(ValueError, match=r"tokenizer\.json could not be loaded by tokenizers"):
+        Tokenizer.from_dir(path)
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "generation_config.json", "special_tokens_map.json"])
+def test_corrupt_json_names_the_file_and_the_parse_error(tmp_path, name):
+    path = qwen_checkpoint(tmp_path)
+    (path / name).write_text('{"eos_token": "<|im_end|>",}')
+    with pytest.raises(ValueError, match=rf"{name} is not valid JSON \(Expecting property name .*line 1 column 28"):
+        Tokenizer.from_dir(path)
+
+
+def test_missing_chat_template_names_the_dir_and_the_fix(tmp_path):
+    path = qwen_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="has no chat template") as err:
+        Tokenizer.from_dir(path).apply_chat_template(MESSAGES)
+    assert str(path) in str(err.value) and "chat_template.jinja" in str(err.value)
+
+
+def test_special_token_outside_the_vocab_is_named(tmp_path):
+    path = qwen_checkpoint(tmp_path)
+    edit_json(path / "tokenizer_config.json", eos_token="</s>")
+    with pytest.raises(ValueError, match=r"eos_token '</s>' is not in tokenizer\.json's vocabulary"):
+        Tokenizer.from_dir(path)
+
+
+def test_vocab_larger_than_embedding_is_an_error_naming_both_sizes(tmp_path):
+    path = qwen_checkpoint(tmp_path)
+    tok = Tokenizer.from_dir(path)
+    rows_needed = tok.vocab_size  # ids are contiguous here
+    with pytest.raises(ValueError, match=rf"needs {rows_needed} embedding rows, but the model has {rows_needed - 1}"):
+        check_vocab_fits(tok, rows_needed - 1, path)
+    with pytest.raises(ValueError, match=str(path)):
+        check_vocab_fits(tok, rows_needed - 1, path)
+
+
+def test_vocab_smaller_than_embedding_is_fine(tmp_path):
+    tok = Tokenizer.from_dir(qwen_checkpoint(tmp_path))
+    check_vocab_fits(tok, tok.vocab_size, tmp_path)
+    check_vocab_fits(tok, tok.vocab_size + 128, tmp_path)  # Qwen pads its embedding rows
