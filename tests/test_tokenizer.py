@@ -11,10 +11,11 @@ from TRL's trl/chat_templates): Qwen2.5 Instruct, Llama 3 Instruct and Llama 3.1
 import json
 from pathlib import Path
 
+import jinja2
 import pytest
 import torch
 from tokenizers import Tokenizer as RustTokenizer
-from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from rlcore.tokenizer import Tokenizer, check_vocab_fits
 
@@ -80,6 +81,25 @@ def save_checkpoint(path: Path, backend: RustTokenizer, chat_template: str | Non
     return path
 
 
+QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+               r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+def qwen2_pipeline_checkpoint(path: Path) -> Path:
+    """tokenizer.json with Qwen2's real pipeline (NFC, digit-splitting regex, byte-level), saved with
+    tokenizer_class Qwen2Tokenizer as Qwen2.5 ships: transformers v5 then rebuilds the pipeline in
+    Python from the vocab and merges, while rlcore runs tokenizer.json as saved."""
+    backend = train_bpe(QWEN_SPECIALS)
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    save_checkpoint(path, backend, (TEMPLATES / "qwen2_5.jinja").read_text(), eos_token="<|im_end|>",
+                    pad_token="<|endoftext|>")
+    edit_json(path / "tokenizer_config.json", tokenizer_class="Qwen2Tokenizer", bos_token=None, unk_token=None)
+    return path
+
+
 def qwen_checkpoint(path: Path, chat_template: str | None = None, template_in_config: bool = False) -> Path:
     """Qwen2.5 Instruct's special tokens: eos <|im_end|>, pad <|endoftext|>, no BOS."""
     return save_checkpoint(path, train_bpe(QWEN_SPECIALS), chat_template, template_in_config,
@@ -136,6 +156,16 @@ def test_truncation_and_padding_saved_in_tokenizer_json_are_off_as_in_transforme
         assert ours.encode(text) == ref.encode(text), text
     assert len(ours.encode(TEXTS[1])) > 4
     assert ours.pad_token_id == ref.pad_token_id == backend.token_to_id("<|endoftext|>")
+
+
+def test_qwen2_tokenizer_class_agrees_with_its_tokenizer_json(tmp_path):
+    ours, ref = load_both(qwen2_pipeline_checkpoint(tmp_path))
+    assert type(ref).__name__ == "Qwen2Tokenizer"
+    for text in TEXTS + ["e\u0301 vs \u00e9, 12345 digits", "it's we'll THEY'D"]:
+        assert ours.encode(text) == ref.encode(text), text
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id, ours.unk_token) == \
+        (ref.bos_token_id, ref.eos_token_id, ref.pad_token_id, ref.unk_token)
+    assert_chat_matches(ours, ref, MESSAGES, add_generation_prompt=True)
 
 
 def test_decode_round_trips_unicode_and_whitespace(tmp_path):
@@ -330,7 +360,6 @@ def test_template_globals_match_transformers(tmp_path):
 def test_raise_exception_in_a_template_raises_template_error(tmp_path):
     template = "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be user') }}{% endif %}"
     ours = Tokenizer.from_dir(qwen_checkpoint(tmp_path, template))
-    import jinja2
     with pytest.raises(jinja2.TemplateError, match="first message must be user"):
         ours.apply_chat_template(MESSAGES)
 
