@@ -135,8 +135,8 @@ class Tokenizer:
         eos = self.token_id("eos_token")
         self.eos_token_ids = list(dict.fromkeys(([] if eos is None else [eos]) + config_eos_ids))
         if not self.eos_token_ids:
-            raise ValueError(f"{source}: no EOS token: set eos_token in tokenizer_config.json or eos_token_id "
-                             f"in generation_config.json, or generation could never stop")
+            raise ValueError(f"{source}: no EOS token in tokenizer_config.json, generation_config.json or "
+                             f"config.json, so rollouts could never stop; set eos_token in tokenizer_config.json")
         self.eos_token_id = self.eos_token_ids[0]
         pad = self.token_id("pad_token")
         self.pad_token_id = self.eos_token_id if pad is None else pad
@@ -165,6 +165,7 @@ class Tokenizer:
             entries.update(read_json(path / "special_tokens_map.json"))
         special_tokens = {key: token_content(value) for key, value in entries.items()
                           if key.endswith("_token") and isinstance(token_content(value), str)}
+        # split_special_tokens: special-token text in the input is encoded as plain text, as in transformers
         backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
 
         config_eos_ids = (as_id_list(read_json(path / "generation_config.json").get("eos_token_id"))

@@ -168,6 +168,15 @@ def test_qwen2_tokenizer_class_agrees_with_its_tokenizer_json(tmp_path):
     assert_chat_matches(ours, ref, MESSAGES, add_generation_prompt=True)
 
 
+def test_split_special_tokens_encodes_special_token_text_as_plain_text(tmp_path):
+    path = qwen_checkpoint(tmp_path)
+    edit_json(path / "tokenizer_config.json", split_special_tokens=True)
+    ours, ref = load_both(path)
+    text = "<|im_start|>user\nhi<|im_end|>"
+    assert ours.encode(text) == ref.encode(text)
+    assert ours.eos_token_id not in ours.encode(text)
+
+
 def test_decode_round_trips_unicode_and_whitespace(tmp_path):
     ours = Tokenizer.from_dir(qwen_checkpoint(tmp_path))
     for text in TEXTS:
@@ -405,6 +414,13 @@ def test_missing_chat_template_names_the_dir_and_the_fix(tmp_path):
     with pytest.raises(ValueError, match="has no chat template") as err:
         Tokenizer.from_dir(path).apply_chat_template(MESSAGES)
     assert str(path) in str(err.value) and "chat_template.jinja" in str(err.value)
+
+
+def test_checkpoint_without_any_eos_is_an_error(tmp_path):
+    path = llama_checkpoint(tmp_path)
+    edit_json(path / "tokenizer_config.json", eos_token=None)
+    with pytest.raises(ValueError, match="no EOS token in tokenizer_config.json, generation_config.json or config"):
+        Tokenizer.from_dir(path)
 
 
 def test_special_token_outside_the_vocab_is_named(tmp_path):
