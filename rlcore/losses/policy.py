@@ -1,0 +1,245 @@
+"""Per-token policy losses and the terms applied to them (SPEC sections 3 and 4).
+
+`policy_loss` builds l[B, T] in the SPEC's order:
+  1. l_pg: PPO-style clipped (GRPO/DAPO/INTELLECT-2's delta), CISPO or SAPO, with token,
+     sequence (GSPO) or sequence_token (GSPO-token) importance weights;
+  2. entropy mask (multiplies l_pg only);
+  3. rollout importance-sampling correction, TIS (multiplies l_pg only);
+  4. + beta * k3 KL to the reference policy.
+Aggregation over tokens is a separate step: `rlcore.losses.aggregate.aggregate_loss`.
+"""
+
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from rlcore.losses.aggregate import LOSS_TYPES
+from rlcore.losses.metrics import masked_mean
+
+LOSSES = ("grpo", "cispo", "sapo")
+LEVELS = ("token", "sequence", "sequence_token")
+TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def importance_weights(logp: Tensor, old: Tensor, mask: Tensor, level: str = "token") -> Tensor:
+    """Log importance weight w, with r = exp(w), from logp and old [B, T] under mask [B, T].
+
+    token:          w = logp - old                                         [B, T]
+    sequence:       w_i = sum_t (logp - old) m / max(sum_t m, 1)           [B, 1]  (GSPO, 2507.18071 eq. 7)
+    sequence_token: w = logp - sg(logp) + sg(w_seq)                        [B, T]  (GSPO-token, eq. 13)
+                    the sequence's value with each token's own gradient
+    """
+    log_ratio = logp - old
+    if level == "token":
+        return log_ratio
+    mask = mask.to(log_ratio.dtype)
+    w_seq = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    if level == "sequence":
+        return w_seq
+    if level == "sequence_token":
+        return logp - logp.detach() + w_seq.detach()
+    raise ValueError(f"unknown importance_sampling_level {level!r}; valid: {', '.join(LEVELS)}")
+
+
+def _gather_across_ranks(x: Tensor) -> Tensor:
+    """Concatenate the 1-D tensors of all ranks (they may differ in length); x when not distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return x
+    size = torch.tensor([x.numel()], device=x.device)
+    sizes = [torch.empty_like(size) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, size)
+    sizes = [int(s) for s in sizes]  # a sync point: padding needs the longest length on the host
+    padded = x.new_zeros(max(sizes))
+    padded[: x.numel()] = x
+    gathered = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(gathered, padded)
+    return torch.cat([g[:n] for g, n in zip(gathered, sizes)])
+
+
+@torch.no_grad()
+def entropy_mask(entropy: Tensor, mask: Tensor, top_entropy_quantile: float) -> Tensor:
+    """Keep the top `top_entropy_quantile` fraction of valid tokens by entropy ("Beyond the 80/20
+    rule", 2506.01939): tau = quantile(H over valid tokens of all ranks, 1 - rho); keep H >= tau.
+
+    entropy, mask [B, T] -> float mask [B, T] (0 on padding). rho = 1 keeps every valid token.
+    """
+    if not 0.0 < top_entropy_quantile <= 1.0:
+        raise ValueError(f"top_entropy_quantile must be in (0, 1], got {top_entropy_quantile}")
+    valid = mask.bool()
+    h = entropy.to(torch.promote_types(entropy.dtype, torch.float32))  # compare in the dtype of tau
+    values = _gather_across_ranks(h[valid])
+    if values.numel() == 0:
+        return torch.zeros_like(entropy)
+    tau = torch.quantile(values, 1.0 - top_entropy_quantile)  # torch.quantile caps input at 2**24
+    return ((h >= tau) & valid).to(entropy.dtype)
+
+
+@torch.no_grad()
+def tis_weights(
+    old: Tensor,
+    samp: Tensor,
+    mask: Tensor,
+    mode: str = "token_truncate",
+    min: float | None = None,
+    max: float | None = 2.0,
+) -> Tensor:
+    """Truncated importance sampling weights for the rollout-vs-trainer mismatch (Yao et al. 2025,
+    "Your efficient RL framework secretly brings you off-policy RL training"). No grad.
+
+    old: trainer log-probs under pi_old [B, T]; samp: the rollout engine's log-probs [B, T].
+    token_truncate:    clamp(exp(old - samp), min, max)                         [B, T]
+    token_mask:        exp(old - samp), 0 outside [min, max]                    [B, T]
+    sequence_truncate: clamp(exp(sum_t (old - samp) m), min, max)               [B, 1]
+    sequence_mask:     exp(sum_t (old - samp) m), 0 outside [min, max]          [B, 1]
+    A bound of None is no bound. Sequence ratios are products of token ratios: long
+    completions leave [min, max] far more often than short ones.
+    """
+    log_ratio = (old - samp).where(mask.bool(), 0.0)  # padding may hold anything, even NaN
+    if mode.startswith("sequence"):
+        log_ratio = log_ratio.sum(-1, keepdim=True)
+    ratio = log_ratio.exp()
+    if mode in ("token_truncate", "sequence_truncate"):
+        return ratio.clamp(min=min, max=max)
+    if mode in ("token_mask", "sequence_mask"):
+        outside = torch.zeros_like(ratio, dtype=torch.bool)
+        if min is not None:
+            outside |= ratio < min
+        if max is not None:
+            outside |= ratio > max
+        return ratio.masked_fill(outside, 0.0)
+    raise ValueError(f"unknown TIS mode {mode!r}; valid: {', '.join(TIS_MODES)}")
+
+
+def mask_truncated(mask: Tensor, truncated: Tensor) -> Tensor:
+    """mask_truncated_completions: zero the loss mask [B, T] of rows that hit max_completion_length
+    without EOS (truncated [B] bool). Their rewards still entered the group statistics."""
+    return mask * (~truncated.bool())[:, None]
+
+
+def check_loss_options(
+    loss_type: str,
+    *,
+    loss: str = "grpo",
+    importance_sampling_level: str = "token",
+) -> None:
+    """Validate option names once, before training, and warn about combinations that are legal
+    but probably not what was meant."""
+    for name, value, valid in (("loss_type", loss_type, LOSS_TYPES), ("loss", loss, LOSSES),
+                               ("importance_sampling_level", importance_sampling_level, LEVELS)):
+        if value not in valid:
+            raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
+    if importance_sampling_level != "token" and loss_type != "grpo":
+        warnings.warn(
+            f"importance_sampling_level={importance_sampling_level!r} (GSPO) with loss_type="
+            f"{loss_type!r} sums tokens, so each sequence's loss is weighted by its length; "
+            "GSPO's objective is a per-sequence mean: use loss_type='grpo'", stacklevel=2)
+
+
+def policy_loss(
+    logp: Tensor,
+    old: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    loss: str = "grpo",
+    importance_sampling_level: str = "token",
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    ref: Tensor | None = None,
+    beta: float = 0.0,
+    tis_weights: Tensor | None = None,
+    entropy: Tensor | None = None,
+    top_entropy_quantile: float = 1.0,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+) -> tuple[Tensor, dict]:
+    """Per-token loss l [B, T] and diagnostics, before aggregation (see module docstring).
+
+    logp [B, T] current policy (with grad), old [B, T] pi_old (no grad; logp.detach() on-policy),
+    advantages [B], mask [B, T], ref [B, T] reference log-probs (needed when beta != 0),
+    tis_weights [B, T] or [B, 1] from `tis_weights`, entropy [B, T] of the current policy
+    (needed when top_entropy_quantile < 1). epsilon_high defaults to epsilon; for cispo it is
+    an absolute cap on the ratio (recommended 5.0).
+    Metrics (detached 0-dim masked means over valid tokens, plus `tokens`, the count):
+    clip_ratio/low, /high, /region (grpo: tokens where clipping removed the gradient; cispo:
+    only /high, ratio above the cap), delta_bound (tokens whose loss is -delta * A),
+    kl_old/k1, kl_old/k3 (policy vs old), kl_ref (when ref is given), entropy,
+    entropy_mask/kept, tis/mean (when their inputs are given).
+    """
+    if loss not in LOSSES:
+        raise ValueError(f"unknown loss {loss!r}; valid: {', '.join(LOSSES)}")
+    if beta != 0.0 and ref is None:
+        raise ValueError(f"beta={beta} needs ref, the reference policy's log-probs [B, T]")
+    if top_entropy_quantile < 1.0 and entropy is None:
+        raise ValueError(f"top_entropy_quantile={top_entropy_quantile} needs entropy [B, T]")
+    mask = mask.to(logp.dtype)
+    adv = advantages.to(logp.dtype)[:, None]
+    eps_low = epsilon
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    ratio = importance_weights(logp, old, mask, importance_sampling_level).exp()  # [B, T] or [B, 1]
+
+    # 1. Policy-gradient term.
+    if loss == "grpo":
+        # PPO clip (Schulman 2017) with DAPO's decoupled eps_low / eps_high (2503.14476 eq. 10):
+        #   l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
+        # INTELLECT-2 (2505.07291) caps the unclipped branch at delta: r -> min(r, delta).
+        clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+        unclipped = ratio if delta is None else ratio.clamp(max=delta)
+        l_pg = -torch.min(unclipped * adv, clipped * adv)
+    elif loss == "cispo":
+        # CISPO (MiniMax-M1, 2506.13585 eq. 4): REINFORCE weighted by the capped, detached ratio,
+        #   l = -sg(min(r, eps_high)) A log pi
+        if epsilon_high is None:
+            warnings.warn(f"loss='cispo' caps the ratio at epsilon_high, which was left at "
+                          f"epsilon={epsilon}; CISPO uses an absolute cap such as 5.0", stacklevel=2)
+        l_pg = -ratio.clamp(max=eps_high).detach() * adv * logp
+    else:
+        # SAPO (Soft Adaptive Policy Optimization, 2511.20347): a sigmoid gate instead of a clip,
+        #   l = -sigmoid(tau (r - 1)) (4 / tau) A,  tau = tau_pos if A > 0 else tau_neg
+        tau = torch.full_like(adv, sapo_temperature_neg).masked_fill_(adv > 0, sapo_temperature_pos)
+        l_pg = -torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * adv
+    l_pg = l_pg.expand_as(logp)  # sequence-level weights give one value per row
+
+    # 2. Entropy mask: train only on the high-entropy "forking" tokens.
+    if top_entropy_quantile < 1.0:
+        kept = entropy_mask(entropy, mask, top_entropy_quantile)
+        l_pg = l_pg * kept
+    # 3. Rollout importance-sampling correction (after clipping and the entropy mask).
+    if tis_weights is not None:
+        l_pg = l_pg * tis_weights
+    # 4. KL to the reference, k3 estimator (Schulman 2020; DeepSeekMath eq. 4): unbiased, >= 0.
+    per_token = l_pg
+    if beta != 0.0:
+        per_token = l_pg + beta * (torch.exp(ref - logp) - (ref - logp) - 1)
+
+    with torch.no_grad():
+        r = ratio.expand_as(logp)
+        log_ratio = logp - old
+        metrics = {
+            "tokens": mask.sum(),
+            "kl_old/k1": masked_mean(-log_ratio, mask),
+            "kl_old/k3": masked_mean(log_ratio.exp() - 1 - log_ratio, mask),
+        }
+        if loss == "grpo":
+            low = (r < 1 - eps_low) & (adv < 0)
+            high = (r > 1 + eps_high) & (adv > 0)
+            metrics["clip_ratio/low"] = masked_mean(low.float(), mask)
+            metrics["clip_ratio/high"] = masked_mean(high.float(), mask)
+            metrics["clip_ratio/region"] = masked_mean((low | high).float(), mask)
+            if delta is not None:
+                bound = (ratio > delta) & (unclipped * adv < clipped * adv)
+                metrics["delta_bound"] = masked_mean(bound.expand_as(logp).float(), mask)
+        elif loss == "cispo":
+            metrics["clip_ratio/high"] = masked_mean((r > eps_high).float(), mask)
+        if ref is not None:
+            metrics["kl_ref"] = masked_mean(torch.exp(ref - logp) - (ref - logp) - 1, mask)
+        if entropy is not None:
+            metrics["entropy"] = masked_mean(entropy, mask)
+        if top_entropy_quantile < 1.0:
+            metrics["entropy_mask/kept"] = masked_mean(kept, mask)
+        if tis_weights is not None:
+            metrics["tis/mean"] = masked_mean(tis_weights.expand_as(logp), mask)
+    return per_token, metrics

@@ -1,0 +1,296 @@
+"""Per-token policy losses (SPEC sections 3-4): closed forms, references, and gradients.
+
+Convention in these tests: old = 0, so logp = log(ratio) and d l / d logp = r * d l / d r.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from rlcore.losses.advantages import compute_advantages
+from rlcore.losses.aggregate import aggregate_loss
+from rlcore.losses.policy import importance_weights, policy_loss
+
+RATIOS = [0.5, 0.9, 1.1, 1.5]
+
+
+def leaf(values):
+    return torch.tensor(values, dtype=torch.float64).requires_grad_()
+
+
+def logp_for(ratios):
+    """[2, 4] log-ratios vs old = 0: row 0 has A = +1, row 1 has A = -1."""
+    return leaf([[math.log(r) for r in ratios]] * 2)
+
+
+def setup(ratios=RATIOS):
+    logp = logp_for(ratios)
+    return logp, torch.zeros_like(logp), torch.tensor([1.0, -1.0], dtype=torch.float64), torch.ones_like(logp)
+
+
+def grad_of(per_token, logp):
+    return torch.autograd.grad(per_token.sum(), logp)[0]
+
+
+def assert_close(got, want, tol=1e-12):
+    torch.testing.assert_close(got, torch.as_tensor(want, dtype=got.dtype), rtol=tol, atol=tol)
+
+
+# PPO-style clipped loss (GRPO / DAPO) ------------------------------------------------------
+
+def test_clipped_loss_values_with_decoupled_epsilons():
+    logp, old, adv, mask = setup()
+    loss, _ = policy_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=0.28)
+    # clip(r) = [0.8, 0.9, 1.1, 1.28]; A=+1: -min(r, clip); A=-1: max(r, clip)
+    assert_close(loss, [[-0.5, -0.9, -1.1, -1.28], [0.8, 0.9, 1.1, 1.5]])
+
+
+def test_clipped_loss_gradient_vanishes_only_where_the_clip_binds():
+    logp, old, adv, mask = setup()
+    loss, _ = policy_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=0.28)
+    # d l / d logp = -A r where the unclipped branch is taken, 0 where the clip binds
+    assert_close(grad_of(loss, logp), [[-0.5, -0.9, -1.1, 0.0], [0.0, 0.9, 1.1, 1.5]])
+
+
+def test_clip_fractions_count_tokens_whose_gradient_was_clipped():
+    logp, old, adv, mask = setup()
+    _, metrics = policy_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=0.28)
+    assert metrics["clip_ratio/low"].item() == pytest.approx(1 / 8)  # r=0.5 with A<0
+    assert metrics["clip_ratio/high"].item() == pytest.approx(1 / 8)  # r=1.5 with A>0
+    assert metrics["clip_ratio/region"].item() == pytest.approx(2 / 8)
+    assert metrics["tokens"].item() == 8
+
+
+def test_epsilon_high_defaults_to_epsilon():
+    logp, old, adv, mask = setup()
+    loss, _ = policy_loss(logp, old, adv, mask, epsilon=0.2)
+    assert_close(loss[0], [-0.5, -0.9, -1.1, -1.2])
+
+
+def verl_dual_clip(ratio, adv, eps_low, eps_high, clip_ratio_c):
+    """verl's compute_policy_loss with dual-clip (Ye et al. 2020), written out from its definition."""
+    adv = adv[:, None]
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(1 - eps_low, 1 + eps_high)
+    clip1 = torch.maximum(pg1, pg2)
+    clip2 = torch.minimum(-adv * clip_ratio_c, clip1)
+    return torch.where(adv < 0, clip2, clip1)
+
+
+def test_delta_equals_verl_dual_clip_in_value_and_gradient():
+    gen = torch.Generator().manual_seed(0)
+    log_r = (torch.rand(6, 20, generator=gen, dtype=torch.float64) * 3 - 1.5).requires_grad_()
+    adv = torch.randn(6, generator=gen, dtype=torch.float64)
+    ours, _ = policy_loss(log_r, torch.zeros_like(log_r), adv, torch.ones_like(log_r),
+                          epsilon=0.2, epsilon_high=0.28, delta=3.0)
+    verl = verl_dual_clip(log_r.exp(), adv, 0.2, 0.28, clip_ratio_c=3.0)
+    assert_close(ours, verl.detach())
+    assert_close(grad_of(ours, log_r), grad_of(verl, log_r))
+
+
+def test_delta_above_one_plus_epsilon_high_binds_only_negative_advantages():
+    logp, old, adv, mask = setup([0.5, 1.1, 1.5, 3.0])
+    loss, metrics = policy_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=0.28, delta=1.4)
+    # A=+1 row unchanged (clip at 1.28 binds first); A=-1: r=1.5 -> 1.4, r=3.0 -> 1.4
+    assert_close(loss, [[-0.5, -1.1, -1.28, -1.28], [0.8, 1.1, 1.4, 1.4]])
+    assert_close(grad_of(loss, logp), [[-0.5, -1.1, 0.0, 0.0], [0.0, 1.1, 0.0, 0.0]])
+    assert metrics["delta_bound"].item() == pytest.approx(2 / 8)
+
+
+# GSPO ------------------------------------------------------------------------------------
+
+def test_sequence_log_weight_is_masked_mean_of_token_log_ratios():
+    logp = torch.tensor([[0.1, 0.3, 5.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])  # row 1 fully masked: denominator 1
+    w = importance_weights(logp, torch.zeros_like(logp), mask, level="sequence")
+    assert_close(w, [[0.2], [0.0]], tol=1e-7)
+
+
+def test_gspo_with_grpo_aggregation_is_the_papers_objective():
+    # GSPO (2507.18071) eq. 5: J = 1/G sum_i min(s_i A_i, clip(s_i, 1-eps, 1+eps) A_i),
+    # s_i = exp(mean_t log r_it). Rows of lengths 2 and 3.
+    log_r = torch.tensor([[0.1, 0.3, 0.0], [-0.2, -0.4, -0.3]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    per_token, _ = policy_loss(log_r, torch.zeros_like(log_r), adv, mask,
+                               importance_sampling_level="sequence", epsilon=0.1)
+    loss = aggregate_loss(per_token, mask, "grpo", gradient_accumulation_steps=1,
+                          max_completion_length=3)
+    s = [math.exp(0.2), math.exp(-0.3)]
+    objective = (min(s[0] * 1, min(s[0], 1.1) * 1) + min(s[1] * -2, max(s[1], 0.9) * -2)) / 2
+    assert loss.item() == pytest.approx(-objective, rel=1e-12)
+
+
+def test_gspo_token_has_sequence_value_and_per_token_gradient():
+    log_r = torch.tensor([[-0.2, -0.4, -0.3]], dtype=torch.float64)
+    mask = torch.ones_like(log_r)
+    adv = torch.tensor([-2.0], dtype=torch.float64)
+    s = math.exp(-0.3)  # sequence ratio; epsilon=0.5 so nothing clips and l = -s A
+
+    def loss_at(level):
+        return lambda x: policy_loss(x, torch.zeros_like(x), adv, mask, epsilon=0.5,
+                                     importance_sampling_level=level)[0][0]
+
+    assert_close(loss_at("sequence_token")(log_r), [-s * -2.0] * 3)
+    # d l_t / d logp_t': sequence_token is diagonal (each token its own gradient, -A s);
+    # sequence spreads -A s / |y| over every token of the row
+    jac_token = torch.autograd.functional.jacobian(loss_at("sequence_token"), log_r)[:, 0]
+    jac_seq = torch.autograd.functional.jacobian(loss_at("sequence"), log_r)[:, 0]
+    assert_close(jac_token, torch.eye(3, dtype=torch.float64) * 2.0 * s)
+    assert_close(jac_seq, torch.full((3, 3), 2.0 * s / 3, dtype=torch.float64))
+
+
+# CISPO and SAPO -------------------------------------------------------------------------
+
+def test_cispo_weights_logp_by_the_capped_detached_ratio():
+    ratios = [0.5, 2.0, 6.0]
+    old = torch.full((1, 3), -1.0, dtype=torch.float64)
+    logp = leaf([[math.log(r) - 1.0 for r in ratios]])
+    adv = torch.tensor([2.0], dtype=torch.float64)
+    loss, metrics = policy_loss(logp, old, adv, torch.ones_like(logp), loss="cispo", epsilon_high=5.0)
+    w = torch.tensor([[0.5, 2.0, 5.0]], dtype=torch.float64)
+    assert_close(loss, (-w * 2.0 * logp).detach())
+    assert_close(grad_of(loss, logp), -w * 2.0)  # no gradient through the ratio
+    assert metrics["clip_ratio/high"].item() == pytest.approx(1 / 3)
+
+
+def test_cispo_warns_when_epsilon_high_is_left_at_default():
+    logp, old, adv, mask = setup()
+    with pytest.warns(UserWarning, match="cispo"):
+        policy_loss(logp, old, adv, mask, loss="cispo")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        policy_loss(logp, old, adv, mask, loss="cispo", epsilon_high=5.0)
+
+
+def test_sapo_soft_gate_value_and_gradient():
+    logp, old, adv, mask = setup([0.5, 1.5])
+    loss, _ = policy_loss(logp, old, adv, mask, loss="sapo",
+                          sapo_temperature_pos=1.0, sapo_temperature_neg=1.05)
+    sig = lambda x: 1 / (1 + math.exp(-x))
+    want, want_grad = [], []
+    for a, tau in ((1.0, 1.0), (-1.0, 1.05)):
+        want.append([-sig(tau * (r - 1)) * 4 / tau * a for r in (0.5, 1.5)])
+        # d/dlogp: -A (4/tau) sig'(tau (r-1)) tau r = -4 A sig (1 - sig) r
+        want_grad.append([-4 * a * sig(tau * (r - 1)) * (1 - sig(tau * (r - 1))) * r for r in (0.5, 1.5)])
+    assert_close(loss, want)
+    assert_close(grad_of(loss, logp), want_grad)
+
+
+# On-policy, zero-signal and all-masked cases --------------------------------------------
+
+@pytest.mark.parametrize("options", [
+    dict(loss="grpo"),
+    dict(loss="grpo", epsilon_high=0.28, delta=4.0),
+    dict(loss="cispo", epsilon_high=5.0),
+    dict(loss="sapo"),
+])
+def test_on_policy_gradient_is_reinforce_with_baseline(options):
+    gen = torch.Generator().manual_seed(0)
+    logp = (-torch.rand(3, 5, generator=gen, dtype=torch.float64) * 4).requires_grad_()
+    adv = torch.randn(3, generator=gen, dtype=torch.float64)
+    loss, metrics = policy_loss(logp, logp.detach(), adv, torch.ones_like(logp), **options)
+    # REINFORCE with the group baseline folded into A: grad of -A_i log pi(y_it)
+    reinforce = torch.autograd.grad((-adv[:, None] * logp).sum(), logp)[0]
+    assert_close(grad_of(loss, logp), reinforce)
+    assert all(metrics[k].item() == 0.0 for k in metrics if k.startswith("clip_ratio"))
+
+
+def test_on_policy_ratio_is_exactly_one():
+    logp = leaf([[-0.3, -2.0, -7.5]])
+    w = importance_weights(logp, logp.detach(), torch.ones_like(logp))
+    assert w.exp().tolist() == [[1.0, 1.0, 1.0]]
+
+
+def test_zero_std_group_gives_zero_policy_gradient():
+    rewards = torch.tensor([[1.0], [1.0], [0.0], [1.0]])  # group 0 all equal, group 1 not
+    adv, _ = compute_advantages(rewards, num_generations=2)
+    logp = leaf([[-0.5, -1.0]] * 4)
+    old = logp.detach() + 0.1
+    loss, _ = policy_loss(logp, old, adv.double(), torch.ones_like(logp), beta=0.0)
+    grad = grad_of(loss, logp)
+    assert grad[:2].abs().max().item() == 0.0
+    assert grad[2:].abs().min().item() > 0.0
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_all_masked_batch_gives_finite_zero_loss(loss_type):
+    logp = leaf([[-0.5, -1.0], [-2.0, -0.1]])
+    mask = torch.zeros_like(logp)
+    entropy = torch.ones_like(logp)
+    per_token, metrics = policy_loss(logp, logp.detach() - 0.3, torch.tensor([1.0, -1.0]), mask,
+                                     ref=logp.detach() + 0.2, beta=0.1, entropy=entropy,
+                                     top_entropy_quantile=0.5, tis_weights=torch.ones_like(logp))
+    loss = aggregate_loss(per_token, mask, loss_type, gradient_accumulation_steps=2,
+                          max_completion_length=2, step_tokens=0)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert logp.grad.abs().max().item() == 0.0
+    assert all(torch.isfinite(v).item() for v in metrics.values())
+
+
+# KL to the reference and the remaining metrics -------------------------------------------
+
+def test_k3_kl_term_value_and_gradient():
+    logp = leaf([[-1.0, -2.0]])
+    ref = torch.tensor([[-1.5, -1.0]], dtype=torch.float64)
+    adv = torch.zeros(1, dtype=torch.float64)  # isolate the KL term
+    loss, metrics = policy_loss(logp, logp.detach(), adv, torch.ones_like(logp), ref=ref, beta=0.1)
+    d = [-0.5, 1.0]  # ref - logp
+    assert_close(loss, [[0.1 * (math.exp(x) - x - 1) for x in d]])
+    assert_close(grad_of(loss, logp), [[0.1 * (1 - math.exp(x)) for x in d]])
+    assert metrics["kl_ref"].item() == pytest.approx(sum(math.exp(x) - x - 1 for x in d) / 2)
+
+
+def test_approx_kl_to_old_uses_k1_and_k3():
+    logp = leaf([[-1.0, -2.0, -3.0]])
+    old = torch.tensor([[-1.2, -1.5, 9.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float64)
+    _, metrics = policy_loss(logp, old, torch.ones(1, dtype=torch.float64), mask)
+    x = [0.2, -0.5]  # log r = logp - old on valid tokens
+    assert metrics["kl_old/k1"].item() == pytest.approx(-sum(x) / 2)
+    assert metrics["kl_old/k3"].item() == pytest.approx(sum(math.exp(v) - 1 - v for v in x) / 2)
+
+
+def test_entropy_metric_is_masked_mean():
+    logp, old, adv, _ = setup()
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0]] * 2, dtype=torch.float64)
+    entropy = torch.tensor([[1.0, 2.0, 50.0, 50.0], [3.0, 4.0, 50.0, 50.0]], dtype=torch.float64)
+    _, metrics = policy_loss(logp, old, adv, mask, entropy=entropy)
+    assert metrics["entropy"].item() == pytest.approx(2.5)
+
+
+# cispo and sequence_token stop gradients on purpose (their gradient is not the derivative of
+# their value), so finite differences cannot check them; their gradients are closed-form above.
+@pytest.mark.parametrize("loss", ["grpo", "sapo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_gradcheck_fp64(loss, level):
+    gen = torch.Generator().manual_seed(1)
+    logp = (-torch.rand(3, 4, generator=gen, dtype=torch.float64) * 3).requires_grad_()
+    old = logp.detach() + torch.randn(3, 4, generator=gen, dtype=torch.float64) * 0.3
+    ref = logp.detach() + torch.randn(3, 4, generator=gen, dtype=torch.float64) * 0.3
+    adv = torch.randn(3, generator=gen, dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]],
+                        dtype=torch.float64)
+    tis = torch.rand(3, 4, generator=gen, dtype=torch.float64) + 0.5
+
+    def fn(logp):
+        return policy_loss(logp, old, adv, mask, loss=loss, importance_sampling_level=level,
+                           epsilon_high=0.28, delta=2.0, ref=ref,
+                           beta=0.05, tis_weights=tis)[0]
+
+    assert torch.autograd.gradcheck(fn, (logp,))
+
+
+def test_unknown_loss_raises():
+    logp, old, adv, mask = setup()
+    with pytest.raises(ValueError, match="valid: grpo, cispo, sapo"):
+        policy_loss(logp, old, adv, mask, loss="ppo")
+
+
+def test_beta_without_ref_raises():
+    logp, old, adv, mask = setup()
+    with pytest.raises(ValueError, match="needs ref"):
+        policy_loss(logp, old, adv, mask, beta=0.04)
