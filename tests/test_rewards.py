@@ -1,0 +1,134 @@
+"""Built-in rewards: answer extraction, exact matching, the R1 format, the safe countdown evaluator."""
+
+import pytest
+
+from rlcore.rewards import (REWARDS, accuracy, check_countdown, countdown, evaluate_expression,
+                            extract_answer, format_reward, get_reward_funcs)
+
+
+@pytest.mark.parametrize("text, answer", [
+    ("so it is <answer>42</answer>", "42"),
+    ("<answer>1</answer> no wait <answer> 2 </answer>", "2"),
+    ("the total is \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),
+    ("48 / 2 = 24 clips\n#### 72", "72"),
+    ("7+5=12", "12"),
+    ("it is 3, then 5,000", "5,000"),
+    ("x = -3", "-3"),
+    ("7-3", "3"),
+    ("no digits here", None),
+])
+def test_extract_answer_forms(text, answer):
+    assert extract_answer(text) == answer
+
+
+def test_answer_tag_takes_precedence_over_last_number():
+    assert extract_answer("<answer>12</answer> and then 13") == "12"
+
+
+@pytest.mark.parametrize("completion, gold, score", [
+    ("12", "12", 1.0),
+    ("13", "12", 0.0),
+    ("12.0", "12", 1.0),
+    ("<answer>$1,000</answer>", "1000", 1.0),
+    ("<answer>The answer is 42.</answer>", "42", 1.0),
+    ("", "12", 0.0),
+    ("<answer>Paris</answer>", "paris", 0.0),
+    ("<answer> Paris </answer>", "Paris", 1.0),
+])
+def test_accuracy_exact_match(completion, gold, score):
+    assert accuracy(["p"], [completion], answer=[gold]) == [score]
+
+
+def test_accuracy_is_none_without_answer_column():
+    assert accuracy(["p", "q"], ["1", "2"]) == [None, None]
+
+
+def test_accuracy_is_none_for_row_without_answer():
+    assert accuracy(["p", "q"], ["1", "2"], answer=[None, "2"]) == [None, 1.0]
+
+
+def test_accuracy_reads_conversational_completion():
+    assert accuracy(["p"], [[{"role": "assistant", "content": "4"}]], answer=["4"]) == [1.0]
+
+
+@pytest.mark.parametrize("completion, score", [
+    ("<think>add them</think><answer>12</answer>", 1.0),
+    ("  <think>a\nb</think>\n<answer>12</answer>\n", 1.0),
+    ("<answer>12</answer>", 0.0),
+    ("<think>x</think><answer>12</answer> trailing", 0.0),
+    ("<think>x</think><think>y</think><answer>12</answer>", 0.0),
+    ("12", 0.0),
+])
+def test_format_reward_requires_think_then_answer(completion, score):
+    assert format_reward(["p"], [completion]) == [score]
+
+
+def test_evaluate_expression_is_exact():
+    value, used = evaluate_expression("(3+4)*2/7")
+    assert value == 2 and used == [3, 4, 2, 7]
+
+
+@pytest.mark.parametrize("expr", [
+    "__import__('os').system('true')",
+    "open('x')",
+    "2**10",
+    "-3+5",
+    "1.5*2",
+    "x+1",
+    "(lambda: 1)()",
+    "[1, 2]",
+    "1/0",
+    "9" * 101,
+    "(" * 50 + "1" + ")" * 50,
+    "True+1",
+])
+def test_evaluate_expression_rejects_unsafe_or_invalid_input(expr):
+    with pytest.raises(ValueError):
+        evaluate_expression(expr)
+
+
+@pytest.mark.parametrize("expr, ok", [
+    ("(3+4)*2", True),
+    ("2*(4+3)", True),
+    ("3+4*2", False),      # 11, not 14
+    ("(3+4)*2+0", False),  # 0 is not one of the numbers
+    ("7*2", False),        # 7 is not a given number
+    ("(3+4)", False),      # 2 is not used
+    ("(3+3)*2", False),    # 3 used twice, 4 not at all
+])
+def test_check_countdown_needs_each_number_once_and_the_target(expr, ok):
+    assert check_countdown(expr, [2, 3, 4], 14) is ok
+
+
+@pytest.mark.parametrize("completion, score", [
+    ("(3+4)*2", 1.0),
+    ("(3+4)*2=14", 1.0),
+    ("<think>try</think><answer>2*(3+4)</answer>", 1.0),
+    ("(3+4)*2\nmore text", 1.0),
+    ("14", 0.0),
+    ("import os", 0.0),
+])
+def test_countdown_reward(completion, score):
+    assert countdown(["p"], [completion], numbers=[[2, 3, 4]], target=[14]) == [score]
+
+
+def test_countdown_is_none_without_its_columns():
+    assert countdown(["p"], ["(3+4)*2"]) == [None]
+
+
+def test_get_reward_funcs_returns_registry_entries():
+    assert get_reward_funcs(["accuracy", "format"]) == [REWARDS["accuracy"], REWARDS["format"]]
+
+
+def test_get_reward_funcs_loads_module_function():
+    assert get_reward_funcs(["rlcore.rewards:accuracy"]) == [accuracy]
+
+
+def test_get_reward_funcs_unknown_name_lists_valid_names():
+    with pytest.raises(ValueError, match=r"unknown reward 'acc'.*accuracy, format, countdown"):
+        get_reward_funcs(["acc"])
+
+
+def test_get_reward_funcs_bad_module_path_is_named():
+    with pytest.raises(ValueError, match=r"'no_such_module:fn' cannot be loaded"):
+        get_reward_funcs(["no_such_module:fn"])
