@@ -1,0 +1,586 @@
+"""The run configuration: five dataclass sections with defaults, loaded from TOML and `--set`.
+
+Option names are TRL `GRPOConfig`'s wherever TRL has the option, so a TRL config carries across;
+a TRL-style flat key at the top level of a TOML file (`beta = 0.04`) goes to the one section
+that has it. Each field's docstring is the string on the line after it; `field_docs` reads them
+back, so the README table and `--help` come from this file.
+
+Precedence: dataclass defaults < TOML file < `--set section.key=value`, applied in order.
+
+Defaults that depend on another field are filled in when the config is built (as TRL does in
+`__post_init__`): `train.steps_per_generation` (= GA), `loss.epsilon_high` (= epsilon),
+`rollout.seed` (= train.seed), `train.eval_max_completion_length` (= max_completion_length).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import math
+import sys
+import textwrap
+import types
+import typing
+import warnings
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rlcore.rewards import REWARDS
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A config value that cannot run; the message names the key, the value and the fix."""
+
+
+@dataclass
+class ModelArgs:
+    path: str = ""
+    """Hugging Face checkpoint dir (config.json + *.safetensors + tokenizer); "" or "embedded" = the embedded tiny model"""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype the policy weights are stored and updated in"""
+    ref_path: str | None = None
+    """checkpoint for the reference model (read only when loss.beta != 0); None = the initial policy"""
+
+
+@dataclass
+class DataArgs:
+    task: Literal["arithmetic", "countdown", "jsonl"] = "arithmetic"
+    """prompts: a synthetic task generated in-process, or a JSONL file (data.path)"""
+    path: str | None = None
+    """JSONL file with one example per line (task "jsonl" only)"""
+    eval_path: str | None = None
+    """JSONL file for evaluation (task "jsonl"); None = hold out num_eval rows of data.path"""
+    prompt_column: str = "prompt"
+    """JSONL column with the prompt: a string, or a list of chat messages"""
+    answer_column: str = "answer"
+    """JSONL column with the reference answer ("" = none); GSM8K-style "... #### 42" keeps 42"""
+    num_train: int = 1000
+    """training examples (synthetic: generated; jsonl: at most this many rows, 0 = all)"""
+    num_eval: int = 32
+    """held-out evaluation examples, never in the training set (0 = no evaluation)"""
+    seed: int = 0
+    """seed for generating and splitting the data; kept apart from train.seed so the eval set stays fixed"""
+    system_prompt: str | None = None
+    """system message put before every prompt; None = no system message"""
+    use_chat_template: bool = True
+    """format prompts with the tokenizer's chat template when it has one"""
+    max_prompt_length: int = 512
+    """longest prompt in tokens, after formatting; a longer prompt is an error that names it"""
+
+
+@dataclass
+class RolloutArgs:
+    num_generations: int = 8
+    """G: completions sampled per prompt; advantages are relative to these (>= 2)"""
+    max_completion_length: int = 512
+    """most tokens generated per completion; one that reaches it without EOS is truncated"""
+    temperature: float = 1.0
+    """sampling temperature; training log-probs use the same temperature"""
+    top_p: float = 1.0
+    """nucleus sampling: keep the smallest token set with this much probability (1.0 = off)"""
+    top_k: int = 0
+    """keep only the k most likely tokens (0 = off)"""
+    min_p: float = 0.0
+    """drop tokens less likely than min_p times the most likely one (0.0 = off)"""
+    stop: list[str] = field(default_factory=list)
+    """strings that end a completion, in addition to EOS"""
+    seed: int | None = None
+    """sampling seed; None = train.seed"""
+
+
+@dataclass
+class LossArgs:
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    """how per-token losses are averaged over an optimizer step (SPEC section 5)"""
+    policy_loss: Literal["ppo", "cispo", "sapo"] = "ppo"
+    """per-token policy loss: PPO clipped ratio, CISPO (clipped IS weight), SAPO (soft gate)"""
+    beta: float = 0.0
+    """KL coefficient against the reference model (k3 estimator); 0.0 loads no reference model"""
+    epsilon: float = 0.2
+    """lower clip range: ratios below 1 - epsilon are clipped"""
+    epsilon_high: float | None = None
+    """upper clip range, 1 + epsilon_high (DAPO: 0.28; cispo: absolute cap, e.g. 5.0); None = epsilon"""
+    delta: float | None = None
+    """cap on the unclipped ratio (two-sided clipping, > 1 + epsilon_high recommended); None = off"""
+    importance_sampling_level: Literal["token", "sequence", "sequence_token"] = "token"
+    """ratio per token, per sequence (GSPO), or sequence value with per-token gradient (GSPO-token)"""
+    scale_rewards: Literal["group", "batch", "none"] | bool = "group"
+    """divide advantages by the group std, the batch std, or not at all (Dr. GRPO); true = group, false = none"""
+    mask_truncated_completions: bool = False
+    """exclude completions that hit max_completion_length without EOS from the loss"""
+    top_entropy_quantile: float = 1.0
+    """train only on the tokens in this top fraction of entropy (1.0 = all tokens)"""
+    num_iterations: int = 1
+    """mu: passes over each generation batch"""
+    tis_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] | None = None
+    """rollout-vs-trainer importance-sampling correction; None = off"""
+    tis_min: float = 0.0
+    """lower bound on the TIS weight (mask modes zero weights below it)"""
+    tis_max: float = 2.0
+    """upper bound on the TIS weight (truncate modes clamp to it, mask modes zero above it)"""
+    reward_weights: list[float] | None = None
+    """weight of each reward function, same order as reward_funcs; None = all 1.0"""
+    reward_funcs: list[str] = field(default_factory=lambda: ["accuracy"])
+    """reward functions: built-in names (rlcore.rewards.REWARDS) or "module:function" of your own"""
+    reward_on_error: Literal["raise", "none"] = "raise"
+    """a reward function that raises stops the run ("raise") or scores that completion None ("none")"""
+
+
+@dataclass
+class TrainArgs:
+    per_device_train_batch_size: int = 8
+    """b: completions per micro-batch on each device"""
+    gradient_accumulation_steps: int = 1
+    """GA: micro-batches per optimizer step"""
+    steps_per_generation: int | None = None
+    """S: micro-batches per generation round; the round makes b * S * world_size completions; None = GA"""
+    max_steps: int = 100
+    """optimizer steps to train for"""
+    learning_rate: float = 1e-6
+    """peak AdamW learning rate"""
+    lr_scheduler_type: Literal["constant", "constant_with_warmup", "cosine"] = "constant"
+    """constant (no warmup), constant_with_warmup, or cosine decay to 0 after a linear warmup"""
+    warmup_ratio: float = 0.0
+    """linear warmup over this fraction of max_steps"""
+    warmup_steps: int = 0
+    """linear warmup over this many optimizer steps (instead of warmup_ratio)"""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay"""
+    adam_beta1: float = 0.9
+    """AdamW beta1"""
+    adam_beta2: float = 0.999
+    """AdamW beta2"""
+    adam_epsilon: float = 1e-8
+    """AdamW epsilon"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm to this (0.0 = no clipping)"""
+    seed: int = 42
+    """seed for the batch order, dropout-free init of new weights, and (by default) sampling"""
+    bf16: bool = False
+    """bfloat16 autocast for forward passes on GPU"""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """where to run; auto = cuda when available"""
+    output_dir: str = "runs/rlcore"
+    """directory for metrics, checkpoints and the resolved config"""
+    logging_steps: int = 1
+    """print and record metrics every this many optimizer steps"""
+    eval_steps: int = 0
+    """evaluate on the held-out set every this many optimizer steps (0 = only at the end)"""
+    save_steps: int = 0
+    """save a checkpoint every this many optimizer steps (0 = only at the end)"""
+    max_nonfinite_steps: int = 3
+    """stop after this many consecutive steps with a non-finite loss or gradient (they are skipped)"""
+    eval_max_completion_length: int | None = None
+    """most tokens per completion at evaluation (greedy); None = rollout.max_completion_length"""
+
+
+SECTIONS: dict[str, type] = {"model": ModelArgs, "data": DataArgs, "rollout": RolloutArgs,
+                             "loss": LossArgs, "train": TrainArgs}
+
+# Top-level keys that are not a field name of exactly one section: TRL names and the shared seed.
+FLAT_ALIASES = {"seed": ("train", "seed"), "model_name_or_path": ("model", "path")}
+
+
+@dataclass
+class Config:
+    model: ModelArgs = field(default_factory=ModelArgs)
+    """the policy checkpoint"""
+    data: DataArgs = field(default_factory=DataArgs)
+    """prompts and reference answers"""
+    rollout: RolloutArgs = field(default_factory=RolloutArgs)
+    """sampling"""
+    loss: LossArgs = field(default_factory=LossArgs)
+    """rewards, advantages and the policy loss"""
+    train: TrainArgs = field(default_factory=TrainArgs)
+    """batching, optimizer and bookkeeping"""
+
+    def __post_init__(self):
+        # Fill the defaults that depend on another field (TRL does the same in __post_init__).
+        if isinstance(self.loss.scale_rewards, bool):
+            self.loss.scale_rewards = "group" if self.loss.scale_rewards else "none"
+        if self.loss.epsilon_high is None:
+            if self.loss.policy_loss == "cispo":
+                warnings.warn("loss.policy_loss='cispo' uses loss.epsilon_high as an absolute cap "
+                              "on the IS weight and it is left at epsilon; set "
+                              "loss.epsilon_high=5.0 (the CISPO paper's value)", stacklevel=2)
+            self.loss.epsilon_high = self.loss.epsilon
+        if self.train.steps_per_generation is None:
+            self.train.steps_per_generation = self.train.gradient_accumulation_steps
+        if self.rollout.seed is None:
+            self.rollout.seed = self.train.seed
+        if self.train.eval_max_completion_length is None:
+            self.train.eval_max_completion_length = self.rollout.max_completion_length
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        """Build from a nested dict `{section: {key: value}}` (flat TRL keys allowed), checking keys and types."""
+        d = normalize(d)
+        sections = {}
+        for name, values in d.items():
+            section_cls = SECTIONS[name]
+            hints = typing.get_type_hints(section_cls)
+            kwargs = {}
+            for key, value in values.items():
+                if key not in hints:
+                    raise ConfigError(f"unknown config key {name}.{key}{_suggest(f'{name}.{key}')}")
+                kwargs[key] = _check_type(f"{name}.{key}", value, hints[key])
+            sections[name] = section_cls(**kwargs)
+        return cls(**sections)
+
+
+def config_to_dict(config: Config) -> dict:
+    """The config as a nested dict `{section: {key: value}}`; `Config.from_dict` inverts it."""
+    return dataclasses.asdict(config)
+
+
+def dump_config(config: Config) -> str:
+    """The config as TOML text that `load_config` reads back to an equal config (None is left out)."""
+    lines = []
+    for name, values in config_to_dict(config).items():
+        lines.append(f"[{name}]")
+        lines += [f"{key} = {_toml_value(v)}" for key, v in values.items() if v is not None]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return _toml_string(v)
+    return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+
+
+def _toml_string(s: str) -> str:
+    escapes = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+    return '"' + "".join(escapes.get(c, c if c.isprintable() else f"\\u{ord(c):04x}") for c in s) + '"'
+
+
+def load_config(path: str | None = None, overrides: list[str] = (), world_size: int = 1) -> Config:
+    """Defaults, then the TOML file at `path` (None: none), then each `section.key=value` override.
+
+    An override's value is read as a TOML literal (`0.04`, `true`, `["a", "b"]`), and as a bare
+    string when it is not one (`model.path=/ckpt/qwen`); `none` sets an optional field to None.
+    The result is checked with `validate(config, world_size)`.
+    """
+    d = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                d = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist; pass an existing TOML file "
+                              f"(see configs/ for examples)") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    d = normalize(d)
+    for item in overrides:
+        section, key, value = parse_override(item)
+        d.setdefault(section, {})[key] = value
+    config = Config.from_dict(d)
+    validate(config, world_size)
+    return config
+
+
+def parse_override(item: str) -> tuple[str, str, object]:
+    """`"loss.beta=0.04"` -> `("loss", "beta", 0.04)`; a flat TRL key (`"beta=0.04"`) finds its section."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} is not section.key=value; write e.g. --set loss.beta=0.04")
+    parts = key.split(".")
+    if len(parts) == 1:
+        section, name = _flat_target(parts[0])
+    elif len(parts) == 2:
+        section, name = parts
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown config section {section!r} in override {item!r}; "
+                              f"sections are {', '.join(SECTIONS)}{_suggest(key)}")
+    else:
+        raise ConfigError(f"override key {key!r} has too many dots; write section.key=value, "
+                          f"e.g. --set loss.beta=0.04")
+    raw = raw.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    hint = typing.get_type_hints(SECTIONS[section]).get(name)
+    if hint is not None and not isinstance(value, str) and _accepts(hint, str) and not _accepts(hint, type(value)):
+        value = raw  # `data.system_prompt=42` means the text "42"
+    return section, name, value
+
+
+def normalize(d: dict) -> dict:
+    """`{section: {key: value}}` from a TOML dict, moving flat TRL keys (`beta = 0.04`) into their section."""
+    out = {}
+    flat = {}
+    for key, value in d.items():
+        if key in SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"config section {key} = {value!r} must be a table; write "
+                                  f"[{key}] and its keys under it, or {key}.<key> = value")
+            out.setdefault(key, {}).update(value)
+        else:
+            flat[key] = value
+    for key, value in flat.items():
+        section, name = _flat_target(key)
+        if name in out.get(section, {}):
+            raise ConfigError(f"config key {key} is set twice: flat ({key} = {value!r}) and in "
+                              f"[{section}] ({name} = {out[section][name]!r}); keep one")
+        out.setdefault(section, {})[name] = value
+    return out
+
+
+def _flat_target(key: str) -> tuple[str, str]:
+    """The (section, field) a top-level TRL-style key belongs to."""
+    if key in FLAT_ALIASES:
+        return FLAT_ALIASES[key]
+    owners = [name for name, cls in SECTIONS.items() if key in _field_names(cls)]
+    if len(owners) == 1:
+        return owners[0], key
+    if len(owners) > 1:
+        raise ConfigError(f"config key {key} is in sections {', '.join(owners)}; write it as "
+                          f"{owners[0]}.{key} (or under [{owners[0]}])")
+    raise ConfigError(f"unknown config key {key}{_suggest(key)}")
+
+
+def _field_names(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _suggest(key: str) -> str:
+    """"; did you mean X?" for an unknown `key` ("section.name" or a flat name), or a pointer to the docs."""
+    section, _, name = key.rpartition(".")
+    owners = [s for s, cls in SECTIONS.items() if name in _field_names(cls)]
+    if not owners:
+        if section in SECTIONS:
+            close = difflib.get_close_matches(name, _field_names(SECTIONS[section]), n=1)
+            owners = [section] if close else []
+        else:
+            close = difflib.get_close_matches(name, [n for c in SECTIONS.values() for n in _field_names(c)], n=1)
+            owners = [s for s, cls in SECTIONS.items() if close and close[0] in _field_names(cls)]
+        name = close[0] if close else name
+    if not owners:
+        return "; see the options table in the README (rlcore.config.options_table())"
+    return "; did you mean " + " or ".join(f"{s}.{name}" for s in owners) + "?"
+
+
+# ---- types ----
+
+def _accepts(tp, value_type: type) -> bool:
+    """Whether a value of `value_type` can be stored in a field annotated `tp` (choices aside)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts(a, value_type) for a in args)
+    if origin is Literal:
+        return any(type(a) is value_type for a in args)
+    if origin is list:
+        return value_type is list
+    if tp is float:
+        return value_type in (int, float)
+    return tp is value_type
+
+
+def _describe(tp) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("none" if a is type(None) else _describe(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is list:
+        return f"a list of {_describe(args[0]).split(' ', 1)[1]}s"
+    return {int: "an int", float: "a float", str: "a string", bool: "a bool (true/false)"}[tp]
+
+
+def _check_type(key: str, value, tp):
+    """`value` converted for a field annotated `tp` (int -> float, "none" -> None), or ConfigError."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    optional = origin in (typing.Union, types.UnionType) and type(None) in args
+    if optional and (value is None or (isinstance(value, str) and value.lower() in ("none", "null"))):
+        return None
+    if key == "loss.scale_rewards" and isinstance(value, bool):
+        return "group" if value else "none"  # TRL's older boolean form
+    union = origin in (typing.Union, types.UnionType)
+    base = [a for a in args if a is not type(None)] if union else [tp]
+    for t in base:
+        ok, converted = _convert(value, t)
+        if ok:
+            return converted
+    for t in base:
+        if typing.get_origin(t) is Literal and any(type(a) is type(value) for a in typing.get_args(t)):
+            choices = typing.get_args(t)
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{key} = {value!r} is not a valid choice; valid: "
+                              f"{', '.join(repr(c) for c in choices)}{hint}")
+    raise ConfigError(f"{key} = {value!r} has type {type(value).__name__}, expected "
+                      f"{_describe(tp)}; e.g. --set {key}={_example(tp)}")
+
+
+def _convert(value, tp) -> tuple[bool, object]:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return any(type(a) is type(value) and a == value for a in args), value
+    if origin is list:
+        if not isinstance(value, list):
+            return False, value
+        items = [_convert(v, args[0]) for v in value]
+        return all(ok for ok, _ in items), [v for _, v in items]
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return True, float(value)
+    return type(value) is tp, value
+
+
+def _example(tp) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return _example(args[0])
+    if origin is Literal:
+        return str(args[0])
+    if origin is list:
+        return "[" + _example(args[0]) + "]" if args[0] is not str else '["a","b"]'
+    return {int: "1", float: "0.5", str: "text", bool: "true"}[tp]
+
+
+# ---- validation ----
+
+def validate(config: Config, world_size: int = 1) -> None:
+    """Check ranges and batch-size consistency (SPEC section 1); raise one ConfigError listing every problem."""
+    problems = []
+    d, r, lo, t = config.data, config.rollout, config.loss, config.train
+
+    def need(ok: bool, msg: str):
+        if not ok:
+            problems.append(msg)
+
+    G, b, GA, S = r.num_generations, t.per_device_train_batch_size, t.gradient_accumulation_steps, t.steps_per_generation
+    need(G >= 2, f"rollout.num_generations = {G} must be >= 2: advantages compare completions "
+                 f"of the same prompt; use 8 (TRL's default)")
+    for key, v in (("per_device_train_batch_size", b), ("gradient_accumulation_steps", GA),
+                   ("steps_per_generation", S)):
+        need(v >= 1, f"train.{key} = {v} must be >= 1")
+    need(world_size >= 1, f"world_size = {world_size} must be >= 1")
+    if G >= 2 and b >= 1 and GA >= 1 and S >= 1 and world_size >= 1:
+        gen = b * S * world_size
+        if gen % G:
+            step = G // math.gcd(G, S * world_size)
+            bs = sorted({max(step, b // step * step), (b // step + 1) * step})
+            gs = [g for g in range(2, gen + 1) if gen % g == 0]
+            problems.append(
+                f"generation batch = per_device_train_batch_size * steps_per_generation * world_size "
+                f"= {b} * {S} * {world_size} = {gen} completions is not divisible by "
+                f"rollout.num_generations = {G}, so it cannot hold whole groups of {G}; set "
+                f"train.per_device_train_batch_size to a multiple of {step} (e.g. "
+                f"{' or '.join(map(str, bs))})" + (f" or rollout.num_generations to one of {gs}" if gs else ""))
+        if S % GA:
+            problems.append(
+                f"train.steps_per_generation = {S} is not a multiple of train.gradient_accumulation_steps "
+                f"= {GA}: an optimizer step takes GA micro-batches and must not straddle two passes "
+                f"over the generation batch (steps per round = S * num_iterations / GA); set "
+                f"steps_per_generation to {GA * max(1, S // GA)} or {GA * (S // GA + 1)}, or leave it unset (= GA)")
+
+    need(d.task != "jsonl" or bool(d.path), f"data.task = 'jsonl' needs data.path (now {d.path!r}) "
+         f"to name a JSONL file; --set data.path=/path/to/train.jsonl")
+    need(d.task == "jsonl" or (d.path is None and d.eval_path is None),
+         f"data.path = {d.path!r} / data.eval_path = {d.eval_path!r} are only read when "
+         f"data.task = 'jsonl' (it is {d.task!r}); set data.task = 'jsonl' or remove them")
+    need(d.num_train >= (0 if d.task == "jsonl" else 1),
+         f"data.num_train = {d.num_train} must be >= 1 (0 = all rows, for task jsonl only)")
+    need(d.num_eval >= 0, f"data.num_eval = {d.num_eval} must be >= 0 (0 = no evaluation)")
+    need(d.max_prompt_length >= 1, f"data.max_prompt_length = {d.max_prompt_length} must be >= 1")
+
+    need(r.max_completion_length >= 1, f"rollout.max_completion_length = {r.max_completion_length} must be >= 1")
+    need(r.temperature > 0, f"rollout.temperature = {r.temperature} must be > 0 (use a small "
+         f"value such as 0.1 for near-greedy sampling)")
+    need(0 < r.top_p <= 1, f"rollout.top_p = {r.top_p} must be in (0, 1]; 1.0 = off")
+    need(r.top_k >= 0, f"rollout.top_k = {r.top_k} must be >= 0; 0 = off")
+    need(0 <= r.min_p < 1, f"rollout.min_p = {r.min_p} must be in [0, 1); 0.0 = off")
+    need(all(r.stop), f"rollout.stop = {r.stop!r} contains an empty string; remove it")
+
+    need(lo.beta >= 0, f"loss.beta = {lo.beta} must be >= 0; 0.0 = no KL term")
+    need(lo.epsilon > 0, f"loss.epsilon = {lo.epsilon} must be > 0 (0.2 is the usual value)")
+    need(lo.epsilon_high > 0, f"loss.epsilon_high = {lo.epsilon_high} must be > 0 (DAPO uses 0.28)")
+    need(lo.delta is None or lo.delta > 1, f"loss.delta = {lo.delta} must be > 1 (it caps ratios "
+         f"above 1; e.g. 1 + epsilon_high + 0.5), or none to turn it off")
+    need(0 < lo.top_entropy_quantile <= 1, f"loss.top_entropy_quantile = {lo.top_entropy_quantile} "
+         f"must be in (0, 1]; 1.0 = train on all tokens, 0.2 = the top 20% by entropy")
+    need(lo.num_iterations >= 1, f"loss.num_iterations = {lo.num_iterations} must be >= 1")
+    need(0 <= lo.tis_min < lo.tis_max, f"loss.tis_min = {lo.tis_min}, loss.tis_max = {lo.tis_max}: "
+         f"need 0 <= tis_min < tis_max")
+    need(len(lo.reward_funcs) >= 1, "loss.reward_funcs = [] names no reward function; e.g. "
+         "--set loss.reward_funcs='[\"accuracy\"]'")
+    need(lo.reward_weights is None or len(lo.reward_weights) == len(lo.reward_funcs),
+         f"loss.reward_weights = {lo.reward_weights} has {len(lo.reward_weights or [])} weight(s) but "
+         f"loss.reward_funcs = {lo.reward_funcs} has {len(lo.reward_funcs)} function(s); give one "
+         f"weight per function, or none for all 1.0")
+    for name in lo.reward_funcs:
+        if ":" not in name and name not in REWARDS:
+            close = difflib.get_close_matches(name, REWARDS, n=1)
+            problems.append(f"loss.reward_funcs has unknown reward {name!r}; built-in rewards are "
+                            f"{', '.join(REWARDS)}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                            + ", or give your own as 'module:function'")
+    need(d.task != "countdown" or "countdown" in lo.reward_funcs,
+         f"data.task = 'countdown' is scored by the 'countdown' reward, but loss.reward_funcs = "
+         f"{lo.reward_funcs}; --set loss.reward_funcs='[\"countdown\"]'")
+    if lo.importance_sampling_level == "sequence" and lo.loss_type != "grpo":
+        warnings.warn(f"loss.importance_sampling_level = 'sequence' (GSPO) with loss.loss_type = "
+                      f"{lo.loss_type!r}: the GSPO objective is loss_type = 'grpo' (per-sequence mean)",
+                      stacklevel=2)
+
+    need(t.max_steps >= 1, f"train.max_steps = {t.max_steps} must be >= 1")
+    need(t.learning_rate >= 0, f"train.learning_rate = {t.learning_rate} must be >= 0")
+    need(0 <= t.warmup_ratio < 1, f"train.warmup_ratio = {t.warmup_ratio} must be in [0, 1)")
+    need(t.warmup_steps >= 0, f"train.warmup_steps = {t.warmup_steps} must be >= 0")
+    need(not (t.warmup_steps and t.warmup_ratio), f"train.warmup_steps = {t.warmup_steps} and "
+         f"train.warmup_ratio = {t.warmup_ratio} are both set; keep one")
+    need(t.lr_scheduler_type != "constant" or not (t.warmup_steps or t.warmup_ratio),
+         f"train.lr_scheduler_type = 'constant' has no warmup, but warmup_steps = {t.warmup_steps} / "
+         f"warmup_ratio = {t.warmup_ratio}; use 'constant_with_warmup' or 'cosine'")
+    need(t.weight_decay >= 0, f"train.weight_decay = {t.weight_decay} must be >= 0")
+    need(0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1, f"train.adam_beta1 = {t.adam_beta1}, "
+         f"train.adam_beta2 = {t.adam_beta2} must be in [0, 1)")
+    need(t.adam_epsilon > 0, f"train.adam_epsilon = {t.adam_epsilon} must be > 0")
+    need(t.max_grad_norm >= 0, f"train.max_grad_norm = {t.max_grad_norm} must be >= 0; 0.0 = no clipping")
+    for key in ("logging_steps", "max_nonfinite_steps", "eval_max_completion_length"):
+        need(getattr(t, key) >= 1, f"train.{key} = {getattr(t, key)} must be >= 1")
+    for key in ("eval_steps", "save_steps"):
+        need(getattr(t, key) >= 0, f"train.{key} = {getattr(t, key)} must be >= 0; 0 = only at the end")
+    if problems:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+# ---- documentation ----
+
+def field_docs(cls: type) -> dict[str, str]:
+    """`{field: docstring}` for a dataclass whose fields each have a string literal on the next line."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = nxt.value.value
+    return docs
+
+
+def options_table() -> str:
+    """A Markdown table of every option: key, type, default, description (for the README)."""
+    rows = ["| option | type | default | description |", "|---|---|---|---|"]
+    for section, cls in SECTIONS.items():
+        docs, hints = field_docs(cls), typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            typ = _describe(hints[f.name]).replace("|", "\\|")
+            rows.append(f"| `{section}.{f.name}` | {typ} | `{default!r}` | {docs.get(f.name, '')} |")
+    return "\n".join(rows)

@@ -1,0 +1,315 @@
+"""The config: SPEC section 7 defaults, TOML and --set precedence, TRL flat keys, and errors that
+name the key, the value and the fix."""
+
+import dataclasses
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from rlcore.config import (SECTIONS, Config, ConfigError, config_to_dict, dump_config, field_docs,
+                           load_config, options_table, parse_override, validate)
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def write(tmp_path, text: str) -> str:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return str(path)
+
+
+# ---- defaults ----
+
+def test_defaults_are_spec_section_7():
+    c = Config()
+    assert c.loss.loss_type == "dapo"
+    assert c.loss.beta == 0.0
+    assert c.loss.epsilon == 0.2
+    assert c.loss.epsilon_high == c.loss.epsilon
+    assert c.loss.delta is None
+    assert c.loss.importance_sampling_level == "token"
+    assert c.loss.scale_rewards == "group"
+    assert c.loss.mask_truncated_completions is False
+    assert c.loss.num_iterations == 1
+    assert c.train.steps_per_generation == c.train.gradient_accumulation_steps
+    assert c.loss.top_entropy_quantile == 1.0
+    assert (c.rollout.temperature, c.rollout.top_p, c.rollout.top_k, c.rollout.min_p) == (1.0, 1.0, 0, 0.0)
+    assert c.rollout.num_generations == 8
+    assert c.rollout.max_completion_length == 512
+
+
+def test_defaults_pass_validation():
+    validate(Config())
+
+
+def test_steps_per_generation_defaults_to_gradient_accumulation_steps():
+    c = load_config(None, ["train.gradient_accumulation_steps=4"])
+    assert c.train.steps_per_generation == 4
+
+
+def test_epsilon_high_defaults_to_epsilon():
+    assert load_config(None, ["loss.epsilon=0.3"]).loss.epsilon_high == 0.3
+
+
+def test_rollout_seed_and_eval_length_default_to_their_train_and_rollout_values():
+    c = load_config(None, ["train.seed=7", "rollout.max_completion_length=64"])
+    assert c.rollout.seed == 7
+    assert c.train.eval_max_completion_length == 64
+
+
+def test_every_field_has_a_docstring():
+    for name, cls in SECTIONS.items():
+        docs = field_docs(cls)
+        missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
+        assert not missing, f"[{name}] fields without a docstring: {missing}"
+
+
+def test_options_table_lists_every_field_with_its_doc():
+    table = options_table()
+    assert "| `loss.beta` | a float | `0.0` | KL coefficient" in table
+    assert table.count("\n") + 1 == 2 + sum(len(dataclasses.fields(c)) for c in SECTIONS.values())
+
+
+# ---- TOML, --set, flat keys ----
+
+def test_toml_file_overrides_defaults(tmp_path):
+    c = load_config(write(tmp_path, "[loss]\nbeta = 0.04\n[rollout]\nnum_generations = 4\n"), [])
+    assert c.loss.beta == 0.04
+    assert c.rollout.num_generations == 4
+    assert c.loss.epsilon == 0.2
+
+
+def test_set_overrides_toml_file(tmp_path):
+    c = load_config(write(tmp_path, "[loss]\nbeta = 0.04\n"), ["loss.beta=0.1"])
+    assert c.loss.beta == 0.1
+
+
+@pytest.mark.parametrize("item, section, key, value", [
+    ("loss.beta=0.04", "loss", "beta", 0.04),
+    ("train.max_steps=20", "train", "max_steps", 20),
+    ("loss.mask_truncated_completions=true", "loss", "mask_truncated_completions", True),
+    ('loss.reward_funcs=["accuracy", "format"]', "loss", "reward_funcs", ["accuracy", "format"]),
+    ("model.path=/ckpt/qwen-0.5b", "model", "path", "/ckpt/qwen-0.5b"),
+    ("data.system_prompt=Answer briefly.", "data", "system_prompt", "Answer briefly."),
+    ("data.system_prompt=42", "data", "system_prompt", "42"),
+    ("beta=0.04", "loss", "beta", 0.04),
+])
+def test_set_value_is_parsed_as_toml_literal_else_string(item, section, key, value):
+    assert parse_override(item) == (section, key, value)
+
+
+def test_set_int_is_accepted_for_float_field():
+    c = load_config(None, ["loss.beta=1"])
+    assert c.loss.beta == 1.0 and isinstance(c.loss.beta, float)
+
+
+def test_set_none_clears_optional_field():
+    c = load_config(None, ["loss.delta=2.0"])
+    assert c.loss.delta == 2.0
+    assert load_config(None, ["loss.delta=none"]).loss.delta is None
+
+
+def test_trl_flat_keys_go_to_their_section(tmp_path):
+    c = load_config(write(tmp_path, "beta = 0.04\nnum_iterations = 2\nnum_generations = 4\n"
+                                    "learning_rate = 3e-6\nseed = 3\n"), [])
+    assert c.loss.beta == 0.04
+    assert c.loss.num_iterations == 2
+    assert c.rollout.num_generations == 4
+    assert c.train.learning_rate == 3e-6
+    assert c.train.seed == 3
+
+
+def test_scale_rewards_bool_is_normalised():
+    assert load_config(None, ["loss.scale_rewards=true"]).loss.scale_rewards == "group"
+    assert load_config(None, ["loss.scale_rewards=false"]).loss.scale_rewards == "none"
+
+
+def test_dict_round_trip():
+    c = load_config(None, ["loss.beta=0.04", "loss.delta=1.5", "rollout.stop=['\\n']"])
+    assert Config.from_dict(config_to_dict(c)) == c
+
+
+def test_dump_config_reads_back_equal(tmp_path):
+    c = load_config(None, ["loss.beta=0.04", 'data.system_prompt=say "hi"\\n', "loss.reward_weights=[1, 0.5]",
+                           'loss.reward_funcs=["accuracy", "format"]'])
+    assert load_config(write(tmp_path, dump_config(c)), []) == c
+
+
+@pytest.mark.parametrize("name", ["default.toml", "qwen2.5-0.5b-gsm8k.toml"])
+def test_shipped_configs_load_and_validate(name):
+    c = load_config(str(CONFIGS / name), ["data.path=train.jsonl"] if "gsm8k" in name else [])
+    validate(c)
+
+
+def test_default_toml_is_the_tiny_cpu_arithmetic_run():
+    c = load_config(str(CONFIGS / "default.toml"), [])
+    assert (c.model.path, c.data.task, c.train.device) == ("", "arithmetic", "cpu")
+
+
+# ---- errors name the key, the value and the fix ----
+
+def test_unknown_key_suggests_nearest(tmp_path):
+    with pytest.raises(ConfigError, match=r"loss\.bta.*did you mean loss\.beta"):
+        load_config(write(tmp_path, "[loss]\nbta = 0.1\n"), [])
+
+
+def test_key_in_wrong_section_suggests_right_section():
+    with pytest.raises(ConfigError, match=r"loss\.temperature.*did you mean rollout\.temperature"):
+        load_config(None, ["loss.temperature=0.7"])
+
+
+def test_unknown_flat_key_suggests_nearest(tmp_path):
+    with pytest.raises(ConfigError, match=r"num_generation\b.*did you mean rollout\.num_generations"):
+        load_config(write(tmp_path, "num_generation = 4\n"), [])
+
+
+def test_unknown_section_is_named():
+    with pytest.raises(ConfigError, match=r"'optim'.*sections are model, data, rollout, loss, train"):
+        load_config(None, ["optim.lr=1"])
+
+
+def test_ambiguous_flat_key_asks_for_a_section(tmp_path):
+    with pytest.raises(ConfigError, match=r"path is in sections model, data"):
+        load_config(write(tmp_path, 'path = "x"\n'), [])
+
+
+def test_flat_and_sectioned_key_set_twice_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"beta is set twice"):
+        load_config(write(tmp_path, "beta = 0.1\n[loss]\nbeta = 0.2\n"), [])
+
+
+@pytest.mark.parametrize("item, expected", [
+    ("loss.beta=high", r"loss\.beta = 'high' has type str, expected a float"),
+    ("train.max_steps=1.5", r"train\.max_steps = 1\.5 has type float, expected an int"),
+    ("loss.mask_truncated_completions=1", r"loss\.mask_truncated_completions = 1 has type int, expected a bool"),
+    ("loss.reward_funcs=3", r"loss\.reward_funcs = 3 has type int, expected a list of strings"),
+    ("loss.reward_weights=['a']", r"loss\.reward_weights = \['a'\] has type list, expected a list of floats"),
+])
+def test_wrong_type_names_key_value_and_expected_type(item, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, [item])
+
+
+def test_bool_is_not_accepted_as_int():
+    with pytest.raises(ConfigError, match=r"train\.max_steps = True has type bool, expected an int"):
+        Config.from_dict({"train": {"max_steps": True}})
+
+
+def test_bad_choice_lists_valid_choices():
+    with pytest.raises(ConfigError, match=r"loss\.loss_type = 'dapoo' is not a valid choice; "
+                                          r"valid: 'grpo', 'bnpo', 'dr_grpo', 'dapo'; did you mean 'dapo'"):
+        load_config(None, ["loss.loss_type=dapoo"])
+
+
+def test_generation_batch_not_divisible_by_num_generations_shows_numbers_and_fix():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["train.per_device_train_batch_size=6", "rollout.num_generations=4"])
+    msg = str(e.value)
+    assert "6 * 1 * 1 = 6 completions is not divisible by rollout.num_generations = 4" in msg
+    assert "per_device_train_batch_size to a multiple of 4 (e.g. 4 or 8)" in msg
+
+
+def test_generation_batch_counts_world_size():
+    c = load_config(None, ["train.per_device_train_batch_size=4", "rollout.num_generations=8"], world_size=2)
+    with pytest.raises(ConfigError, match=r"4 \* 1 \* 1 = 4 completions"):
+        validate(c, world_size=1)
+
+
+def test_steps_per_generation_must_be_multiple_of_gradient_accumulation():
+    with pytest.raises(ConfigError, match=r"train\.steps_per_generation = 6 is not a multiple of "
+                                          r"train\.gradient_accumulation_steps = 4.*set steps_per_generation to 4 or 8"):
+        load_config(None, ["train.gradient_accumulation_steps=4", "train.steps_per_generation=6",
+                           "train.per_device_train_batch_size=8"])
+
+
+def test_num_generations_below_two_is_an_error():
+    with pytest.raises(ConfigError, match=r"rollout\.num_generations = 1 must be >= 2"):
+        load_config(None, ["rollout.num_generations=1"])
+
+
+@pytest.mark.parametrize("item, expected", [
+    ("loss.epsilon=0", r"loss\.epsilon = 0\.0 must be > 0"),
+    ("rollout.top_p=1.5", r"rollout\.top_p = 1\.5 must be in \(0, 1\]"),
+    ("rollout.temperature=0", r"rollout\.temperature = 0\.0 must be > 0"),
+    ("loss.top_entropy_quantile=0", r"loss\.top_entropy_quantile = 0\.0 must be in \(0, 1\]"),
+    ("loss.delta=0.5", r"loss\.delta = 0\.5 must be > 1"),
+    ("loss.beta=-1", r"loss\.beta = -1\.0 must be >= 0"),
+])
+def test_out_of_range_value_is_named(item, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, [item])
+
+
+def test_reward_weights_length_must_match_reward_funcs():
+    with pytest.raises(ConfigError, match=r"loss\.reward_weights = \[1\.0, 2\.0\] has 2 weight\(s\) but "
+                                          r"loss\.reward_funcs = \['accuracy'\] has 1 function"):
+        load_config(None, ["loss.reward_weights=[1, 2]"])
+
+
+def test_unknown_reward_name_lists_built_in_rewards():
+    with pytest.raises(ConfigError, match=r"unknown reward 'acuracy'; built-in rewards are accuracy, "
+                                          r"format, countdown.*did you mean 'accuracy'"):
+        load_config(None, ["loss.reward_funcs=['acuracy']"])
+
+
+def test_jsonl_task_needs_a_path():
+    with pytest.raises(ConfigError, match=r"data\.task = 'jsonl' needs data\.path"):
+        load_config(None, ["data.task=jsonl"])
+
+
+def test_countdown_task_needs_countdown_reward():
+    with pytest.raises(ConfigError, match=r"--set loss\.reward_funcs='\[\"countdown\"\]'"):
+        load_config(None, ["data.task=countdown"])
+
+
+def test_constant_schedule_with_warmup_is_an_error():
+    with pytest.raises(ConfigError, match=r"lr_scheduler_type = 'constant' has no warmup.*constant_with_warmup"):
+        load_config(None, ["train.warmup_steps=10"])
+
+
+def test_all_problems_are_reported_together():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["loss.epsilon=0", "rollout.top_k=-1"])
+    assert "loss.epsilon" in str(e.value) and "rollout.top_k" in str(e.value)
+
+
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"nope\.toml does not exist"):
+        load_config(str(tmp_path / "nope.toml"), [])
+
+
+def test_invalid_toml_names_the_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"run\.toml is not valid TOML"):
+        load_config(write(tmp_path, "[loss\nbeta = 1\n"), [])
+
+
+def test_malformed_override_shows_the_form():
+    with pytest.raises(ConfigError, match=r"'lossbeta' is not section\.key=value"):
+        load_config(None, ["lossbeta"])
+
+
+def test_cispo_with_default_epsilon_high_warns():
+    with pytest.warns(UserWarning, match="epsilon_high=5.0"):
+        load_config(None, ["loss.policy_loss=cispo"])
+
+
+def test_cispo_with_epsilon_high_set_does_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config(None, ["loss.policy_loss=cispo", "loss.epsilon_high=5.0"])
+
+
+def test_gspo_with_token_summing_loss_type_warns():
+    with pytest.warns(UserWarning, match="GSPO objective is loss_type = 'grpo'"):
+        load_config(None, ["loss.importance_sampling_level=sequence"])
+
+
+def test_dumped_toml_is_valid_toml():
+    tomllib.loads(dump_config(Config()))
