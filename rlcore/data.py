@@ -1,0 +1,145 @@
+"""Prompts: JSONL loading with errors that name the file and line, the train/eval split, and
+prompt formatting (chat template when the tokenizer has one).
+
+An example is a dict with `prompt` (a string, or a list of chat messages) and `answer` (a string,
+or None when the dataset has no answers), plus every other column of its JSONL row; reward
+functions receive the columns as keyword arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+from rlcore.tasks import TASKS, train_eval_split
+
+
+class DataError(ValueError):
+    """A dataset that cannot be used; the message names the file, the line and the fix."""
+
+
+def final_answer(answer: str) -> str:
+    """GSM8K style `"...reasoning... #### 1,234"` -> `"1234"`; any other string unchanged (stripped)."""
+    if "####" not in answer:
+        return answer.strip()
+    return re.sub(r"(?<=\d),(?=\d{3})", "", answer.rsplit("####", 1)[1].strip())
+
+
+def load_jsonl(path: str, prompt_column: str = "prompt", answer_column: str | None = "answer") -> list[dict]:
+    """One example per non-blank line of the JSONL file at `path`.
+
+    `prompt_column` must hold a string or a list of `{"role", "content"}` messages and becomes
+    `prompt`; `answer_column` (None or "" = the dataset has no answers) must hold a string or a
+    number and becomes `answer`, with a GSM8K-style final answer extracted (`final_answer`).
+    Other columns are kept as they are.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"dataset file {path} does not exist; set data.path to a JSONL file "
+                        f"(one JSON object per line)")
+    examples = []
+    with open(p, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line "
+                                f"must be one JSON object") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{where}: a JSON {type(row).__name__}, expected an object such as "
+                                f'{{"{prompt_column}": "...", "{answer_column or "answer"}": "..."}}')
+            examples.append(_example(row, where, prompt_column, answer_column))
+    if not examples:
+        raise DataError(f"dataset file {path} has no examples (it is empty or blank); "
+                        f"write one JSON object per line")
+    return examples
+
+
+def _example(row: dict, where: str, prompt_column: str, answer_column: str | None) -> dict:
+    columns = ", ".join(map(repr, row)) or "none"
+    if prompt_column not in row:
+        raise DataError(f"{where}: no column {prompt_column!r} (columns: {columns}); set "
+                        f"data.prompt_column to the column that holds the prompt")
+    prompt = row[prompt_column]
+    is_messages = isinstance(prompt, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in prompt)
+    if not (isinstance(prompt, str) or (is_messages and prompt)):
+        raise DataError(f"{where}: column {prompt_column!r} = {str(prompt)[:60]!r} has type "
+                        f"{type(prompt).__name__}; expected a string or a list of "
+                        f'{{"role": ..., "content": ...}} messages')
+    answer = None
+    if answer_column:
+        if answer_column not in row:
+            raise DataError(f"{where}: no column {answer_column!r} (columns: {columns}); set "
+                            f"data.answer_column to the column with the reference answer, or to "
+                            f'"" if the dataset has none')
+        raw = row[answer_column]
+        if isinstance(raw, bool) or not isinstance(raw, (str, int, float)):
+            raise DataError(f"{where}: column {answer_column!r} = {str(raw)[:60]!r} has type "
+                            f"{type(raw).__name__}; expected a string or a number")
+        answer = final_answer(raw) if isinstance(raw, str) else str(raw)
+    return {**row, "prompt": prompt, "answer": answer}
+
+
+def load_examples(data) -> tuple[list[dict], list[dict]]:
+    """(train, eval) examples for a `DataArgs` config section; eval never overlaps train.
+
+    Synthetic tasks: `tasks.train_eval_split`. JSONL: `data.eval_path` when given, else the first
+    `num_eval` rows of `data.path` after a shuffle seeded by `data.seed`; then at most `num_train`
+    training rows (0 = all).
+    """
+    if data.task in TASKS:
+        return train_eval_split(data.task, data.num_train, data.num_eval, data.seed)
+    rows = load_jsonl(data.path, data.prompt_column, data.answer_column)
+    random.Random(data.seed).shuffle(rows)
+    if data.eval_path:
+        evals = load_jsonl(data.eval_path, data.prompt_column, data.answer_column)[:data.num_eval]
+    else:
+        if len(rows) <= data.num_eval:
+            raise DataError(f"{data.path} has {len(rows)} examples, so data.num_eval = "
+                            f"{data.num_eval} leaves none to train on; lower data.num_eval or set data.eval_path")
+        evals, rows = rows[:data.num_eval], rows[data.num_eval:]
+    return (rows[:data.num_train] if data.num_train else rows), evals
+
+
+def format_prompt(example: dict, tokenizer, system_prompt: str | None = None,
+                  use_chat_template: bool = True) -> list[int]:
+    """Token ids of the prompt, ready for generation.
+
+    With a chat template (and `use_chat_template`): the system message (if any) and the prompt
+    as the user message, rendered with the generation prompt appended. Without one: the plain
+    text, preceded by the system prompt and a blank line when there is one.
+    """
+    prompt = example["prompt"]
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        if system_prompt and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+    if isinstance(prompt, list):
+        raise DataError(f"prompt {str(prompt)[:60]!r} is a list of chat messages but the tokenizer "
+                        f"has no chat template (or data.use_chat_template is false); use a "
+                        f"checkpoint with a chat template, or plain-string prompts")
+    return list(tokenizer.encode(f"{system_prompt}\n\n{prompt}" if system_prompt else prompt))
+
+
+def encode_prompts(examples: list[dict], tokenizer, system_prompt: str | None, use_chat_template: bool,
+                   max_prompt_length: int) -> list[list[int]]:
+    """`format_prompt` for each example; a prompt over `max_prompt_length` tokens is an error naming it."""
+    out = []
+    for i, ex in enumerate(examples):
+        ids = format_prompt(ex, tokenizer, system_prompt, use_chat_template)
+        if len(ids) > max_prompt_length:
+            raise DataError(f"example {i} (prompt {str(ex['prompt'])[:60]!r}...) is {len(ids)} tokens "
+                            f"after formatting, over data.max_prompt_length = {max_prompt_length}; "
+                            f"raise data.max_prompt_length or drop long prompts from the data")
+        out.append(ids)
+    return out

@@ -1,0 +1,200 @@
+"""JSONL loading (errors name the file and line), GSM8K answers, the train/eval split, prompt formatting."""
+
+import json
+import string
+
+import pytest
+
+from rlcore.config import DataArgs
+from rlcore.data import DataError, encode_prompts, final_answer, format_prompt, load_examples, load_jsonl
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def write_jsonl(tmp_path, rows, name="data.jsonl") -> str:
+    path = tmp_path / name
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture
+def char_tokenizer(tmp_path):
+    """Factory: rlcore's Tokenizer over one token per printable character, with or without a chat template."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from rlcore.tokenizer import Tokenizer
+
+    def build(chat_template: str | None = None) -> Tokenizer:
+        path = tmp_path / ("chat" if chat_template else "plain")
+        path.mkdir()
+        vocab = {t: i for i, t in enumerate(["<eos>", *string.printable])}
+        tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+        tok.decoder = tokenizers.decoders.Fuse()
+        tok.add_special_tokens(["<eos>"])
+        tok.save(str(path / "tokenizer.json"))
+        config = {"eos_token": "<eos>", **({"chat_template": chat_template} if chat_template else {})}
+        (path / "tokenizer_config.json").write_text(json.dumps(config))
+        return Tokenizer.from_dir(path)
+
+    return build
+
+
+# ---- load_jsonl ----
+
+def test_load_jsonl_reads_prompt_and_answer_and_keeps_other_columns(tmp_path):
+    path = write_jsonl(tmp_path, [{"question": "1+1?", "answer": "2", "id": 7}])
+    assert load_jsonl(path, "question", "answer") == [{"question": "1+1?", "answer": "2", "id": 7, "prompt": "1+1?"}]
+
+
+def test_load_jsonl_skips_blank_lines(tmp_path):
+    path = write_jsonl(tmp_path, [{"prompt": "a", "answer": "1"}, "", "  ", {"prompt": "b", "answer": "2"}])
+    assert [ex["prompt"] for ex in load_jsonl(path)] == ["a", "b"]
+
+
+def test_gsm8k_answer_keeps_the_final_number(tmp_path):
+    path = write_jsonl(tmp_path, [{"prompt": "q", "answer": "3 * 4 = <<3*4=12>>12 boxes\n#### 1,212"}])
+    assert load_jsonl(path)[0]["answer"] == "1212"
+
+
+@pytest.mark.parametrize("raw, final", [("#### 42", "42"), ("no marker", "no marker"), ("a #### b #### -7 ", "-7")])
+def test_final_answer(raw, final):
+    assert final_answer(raw) == final
+
+
+def test_numeric_answer_becomes_string(tmp_path):
+    path = write_jsonl(tmp_path, [{"prompt": "q", "answer": 42}])
+    assert load_jsonl(path)[0]["answer"] == "42"
+
+
+def test_chat_message_prompt_is_accepted(tmp_path):
+    messages = [{"role": "user", "content": "hi"}]
+    path = write_jsonl(tmp_path, [{"prompt": messages, "answer": "1"}])
+    assert load_jsonl(path)[0]["prompt"] == messages
+
+
+def test_no_answer_column_gives_none_answers(tmp_path):
+    path = write_jsonl(tmp_path, [{"prompt": "q"}])
+    assert load_jsonl(path, answer_column="")[0]["answer"] is None
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(DataError, match=r"nope\.jsonl does not exist; set data\.path"):
+        load_jsonl(str(tmp_path / "nope.jsonl"))
+
+
+def test_empty_file_is_named(tmp_path):
+    with pytest.raises(DataError, match=r"data\.jsonl has no examples"):
+        load_jsonl(write_jsonl(tmp_path, ["", ""]))
+
+
+def test_bad_json_names_file_and_line(tmp_path):
+    path = write_jsonl(tmp_path, [{"prompt": "a", "answer": "1"}, '{"prompt": "b", "answer": 2'])
+    with pytest.raises(DataError, match=r"data\.jsonl:2: not valid JSON"):
+        load_jsonl(path)
+
+
+def test_non_object_line_names_file_and_line(tmp_path):
+    with pytest.raises(DataError, match=r"data\.jsonl:1: a JSON list, expected an object"):
+        load_jsonl(write_jsonl(tmp_path, [[1, 2]]))
+
+
+def test_missing_prompt_column_names_line_columns_and_fix(tmp_path):
+    path = write_jsonl(tmp_path, [{"prompt": "a", "answer": "1"}, {"question": "b", "answer": "2"}])
+    with pytest.raises(DataError, match=r"data\.jsonl:2: no column 'prompt' \(columns: 'question', "
+                                        r"'answer'\); set data\.prompt_column"):
+        load_jsonl(path)
+
+
+def test_missing_answer_column_names_line_and_fix(tmp_path):
+    with pytest.raises(DataError, match=r"data\.jsonl:1: no column 'answer'.*data\.answer_column"):
+        load_jsonl(write_jsonl(tmp_path, [{"prompt": "a", "solution": "1"}]))
+
+
+def test_wrong_prompt_type_names_line_and_value(tmp_path):
+    with pytest.raises(DataError, match=r"data\.jsonl:1: column 'prompt' = '12' has type int; expected a string"):
+        load_jsonl(write_jsonl(tmp_path, [{"prompt": 12, "answer": "1"}]))
+
+
+def test_wrong_answer_type_names_line_and_value(tmp_path):
+    with pytest.raises(DataError, match=r"data\.jsonl:1: column 'answer' = '\[1\]' has type list; expected a string or a number"):
+        load_jsonl(write_jsonl(tmp_path, [{"prompt": "a", "answer": [1]}]))
+
+
+# ---- load_examples ----
+
+def test_synthetic_task_examples_come_from_the_task():
+    train, evals = load_examples(DataArgs(task="arithmetic", num_train=50, num_eval=10))
+    assert len(train) == 50 and len(evals) == 10
+    assert not {ex["prompt"] for ex in train} & {ex["prompt"] for ex in evals}
+
+
+def test_jsonl_holds_out_num_eval_rows(tmp_path):
+    path = write_jsonl(tmp_path, [{"prompt": f"q{i}", "answer": str(i)} for i in range(20)])
+    train, evals = load_examples(DataArgs(task="jsonl", path=path, num_train=0, num_eval=5))
+    assert len(train) == 15 and len(evals) == 5
+    assert {ex["prompt"] for ex in train + evals} == {f"q{i}" for i in range(20)}
+
+
+def test_jsonl_num_train_caps_training_rows(tmp_path):
+    path = write_jsonl(tmp_path, [{"prompt": f"q{i}", "answer": str(i)} for i in range(20)])
+    train, _ = load_examples(DataArgs(task="jsonl", path=path, num_train=4, num_eval=5))
+    assert len(train) == 4
+
+
+def test_jsonl_eval_path_is_the_eval_set(tmp_path):
+    path = write_jsonl(tmp_path, [{"prompt": f"q{i}", "answer": str(i)} for i in range(10)])
+    eval_path = write_jsonl(tmp_path, [{"prompt": "test", "answer": "0"}], name="test.jsonl")
+    train, evals = load_examples(DataArgs(task="jsonl", path=path, eval_path=eval_path, num_train=0))
+    assert len(train) == 10 and [ex["prompt"] for ex in evals] == ["test"]
+
+
+def test_jsonl_too_small_for_num_eval_is_an_error(tmp_path):
+    path = write_jsonl(tmp_path, [{"prompt": "q", "answer": "1"}] * 3)
+    with pytest.raises(DataError, match=r"has 3 examples, so data\.num_eval = 32 leaves none to train on"):
+        load_examples(DataArgs(task="jsonl", path=path))
+
+
+# ---- format_prompt ----
+
+def test_format_prompt_uses_chat_template_with_system_prompt(char_tokenizer):
+    tok = char_tokenizer(TEMPLATE)
+    ids = format_prompt({"prompt": "2+2="}, tok, system_prompt="Be brief.")
+    assert tok.decode(ids) == "<system>Be brief.\n<user>2+2=\n<assistant>"
+
+
+def test_format_prompt_without_system_prompt_has_only_the_user_turn(char_tokenizer):
+    tok = char_tokenizer(TEMPLATE)
+    assert tok.decode(format_prompt({"prompt": "2+2="}, tok)) == "<user>2+2=\n<assistant>"
+
+
+def test_format_prompt_takes_chat_message_prompts_as_they_are(char_tokenizer):
+    tok = char_tokenizer(TEMPLATE)
+    prompt = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+    assert tok.decode(format_prompt({"prompt": prompt}, tok, system_prompt="other")) == "<system>S\n<user>U\n<assistant>"
+
+
+def test_format_prompt_without_template_is_plain_text(char_tokenizer):
+    tok = char_tokenizer()
+    assert format_prompt({"prompt": "2+2="}, tok) == tok.encode("2+2=")
+
+
+def test_format_prompt_can_skip_the_chat_template(char_tokenizer):
+    tok = char_tokenizer(TEMPLATE)
+    assert format_prompt({"prompt": "2+2="}, tok, use_chat_template=False) == tok.encode("2+2=")
+
+
+def test_format_prompt_without_template_puts_system_prompt_first(char_tokenizer):
+    tok = char_tokenizer()
+    assert tok.decode(format_prompt({"prompt": "2+2="}, tok, system_prompt="Add.")) == "Add.\n\n2+2="
+
+
+def test_chat_messages_without_template_are_an_error(char_tokenizer):
+    with pytest.raises(DataError, match="no chat template"):
+        format_prompt({"prompt": [{"role": "user", "content": "U"}]}, char_tokenizer())
+
+
+def test_encode_prompts_rejects_a_prompt_over_max_prompt_length(char_tokenizer):
+    examples = [{"prompt": "1+1="}, {"prompt": "12345+67890="}]
+    with pytest.raises(DataError, match=r"example 1 \(prompt '12345\+67890='.*is 12 tokens.*"
+                                        r"data\.max_prompt_length = 8"):
+        encode_prompts(examples, char_tokenizer(), None, True, max_prompt_length=8)
