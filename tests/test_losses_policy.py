@@ -109,7 +109,7 @@ def test_sequence_log_weight_is_masked_mean_of_token_log_ratios():
 
 
 def test_gspo_with_grpo_aggregation_is_the_papers_objective():
-    # GSPO (2507.18071) eq. 5: J = 1/G sum_i min(s_i A_i, clip(s_i, 1-eps, 1+eps) A_i),
+    # GSPO (2507.18071): J = 1/G sum_i min(s_i A_i, clip(s_i, 1-eps, 1+eps) A_i),
     # s_i = exp(mean_t log r_it). Rows of lengths 2 and 3.
     log_r = torch.tensor([[0.1, 0.3, 0.0], [-0.2, -0.4, -0.3]], dtype=torch.float64)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)

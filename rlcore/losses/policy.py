@@ -27,8 +27,8 @@ def importance_weights(logp: Tensor, old: Tensor, mask: Tensor, level: str = "to
     """Log importance weight w, with r = exp(w), from logp and old [B, T] under mask [B, T].
 
     token:          w = logp - old                                         [B, T]
-    sequence:       w_i = sum_t (logp - old) m / max(sum_t m, 1)           [B, 1]  (GSPO, 2507.18071 eq. 7)
-    sequence_token: w = logp - sg(logp) + sg(w_seq)                        [B, T]  (GSPO-token, eq. 13)
+    sequence:       w_i = sum_t (logp - old) m / max(sum_t m, 1)           [B, 1]  (GSPO, 2507.18071)
+    sequence_token: w = logp - sg(logp) + sg(w_seq)                        [B, T]  (GSPO-token, same paper)
                     the sequence's value with each token's own gradient
     """
     log_ratio = logp - old
@@ -175,6 +175,8 @@ def policy_loss(
         raise ValueError(f"beta={beta} needs ref, the reference policy's log-probs [B, T]")
     if top_entropy_quantile < 1.0 and entropy is None:
         raise ValueError(f"top_entropy_quantile={top_entropy_quantile} needs entropy [B, T]")
+    if advantages.shape != logp.shape[:1]:
+        raise ValueError(f"advantages must be [B] = [{logp.shape[0]}], got {tuple(advantages.shape)}")
     mask = mask.to(logp.dtype)
     adv = advantages.to(logp.dtype)[:, None]
     eps_low = epsilon
@@ -183,14 +185,14 @@ def policy_loss(
 
     # 1. Policy-gradient term.
     if loss == "grpo":
-        # PPO clip (Schulman 2017) with DAPO's decoupled eps_low / eps_high (2503.14476 eq. 10):
+        # PPO clip (Schulman et al. 2017) with DAPO's decoupled eps_low / eps_high (2503.14476):
         #   l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
         # INTELLECT-2 (2505.07291) caps the unclipped branch at delta: r -> min(r, delta).
         clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
         unclipped = ratio if delta is None else ratio.clamp(max=delta)
         l_pg = -torch.min(unclipped * adv, clipped * adv)
     elif loss == "cispo":
-        # CISPO (MiniMax-M1, 2506.13585 eq. 4): REINFORCE weighted by the capped, detached ratio,
+        # CISPO (MiniMax-M1, 2506.13585): REINFORCE weighted by the capped, detached ratio,
         #   l = -sg(min(r, eps_high)) A log pi
         if epsilon_high is None:
             warnings.warn(f"loss='cispo' caps the ratio at epsilon_high, which was left at "
@@ -210,7 +212,7 @@ def policy_loss(
     # 3. Rollout importance-sampling correction (after clipping and the entropy mask).
     if tis_weights is not None:
         l_pg = l_pg * tis_weights
-    # 4. KL to the reference, k3 estimator (Schulman 2020; DeepSeekMath eq. 4): unbiased, >= 0.
+    # 4. KL to the reference, k3 estimator (Schulman 2020; DeepSeekMath): >= 0, unbiased on-policy.
     per_token = l_pg
     if beta != 0.0:
         per_token = l_pg + beta * (torch.exp(ref - logp) - (ref - logp) - 1)
