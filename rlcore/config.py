@@ -42,7 +42,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelArgs:
     path: str = ""
-    """Hugging Face checkpoint dir (config.json + *.safetensors + tokenizer); "" or "embedded" = the embedded tiny model"""
+    """Hugging Face checkpoint dir (config.json, *.safetensors, tokenizer); "" or "embedded" = the embedded tiny model"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype the policy weights are stored and updated in"""
     ref_path: str | None = None
@@ -305,8 +305,7 @@ def parse_override(item: str) -> tuple[str, str, object]:
     elif len(parts) == 2:
         section, name = parts
         if section not in SECTIONS:
-            raise ConfigError(f"unknown config section {section!r} in override {item!r}; "
-                              f"sections are {', '.join(SECTIONS)}{_suggest(key)}")
+            raise _unknown_section(section)
     else:
         raise ConfigError(f"override key {key!r} has too many dots; write section.key=value, "
                           f"e.g. --set loss.beta=0.04")
@@ -331,6 +330,8 @@ def normalize(d: dict) -> dict:
                 raise ConfigError(f"config section {key} = {value!r} must be a table; write "
                                   f"[{key}] and its keys under it, or {key}.<key> = value")
             out.setdefault(key, {}).update(value)
+        elif isinstance(value, dict):
+            raise _unknown_section(key)
         else:
             flat[key] = value
     for key, value in flat.items():
@@ -353,6 +354,12 @@ def _flat_target(key: str) -> tuple[str, str]:
         raise ConfigError(f"config key {key} is in sections {', '.join(owners)}; write it as "
                           f"{owners[0]}.{key} (or under [{owners[0]}])")
     raise ConfigError(f"unknown config key {key}{_suggest(key)}")
+
+
+def _unknown_section(name: str) -> ConfigError:
+    close = difflib.get_close_matches(name, SECTIONS, n=1)
+    hint = f"did you mean [{close[0]}]? " if close else ""
+    return ConfigError(f"unknown config section [{name}]; {hint}sections are {', '.join(SECTIONS)}")
 
 
 def _field_names(cls) -> list[str]:
@@ -406,12 +413,9 @@ def _describe(tp) -> str:
 def _check_type(key: str, value, tp):
     """`value` converted for a field annotated `tp` (int -> float, "none" -> None), or ConfigError."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    optional = origin in (typing.Union, types.UnionType) and type(None) in args
-    if optional and (value is None or (isinstance(value, str) and value.lower() in ("none", "null"))):
-        return None
-    if key == "loss.scale_rewards" and isinstance(value, bool):
-        return "group" if value else "none"  # TRL's older boolean form
     union = origin in (typing.Union, types.UnionType)
+    if union and type(None) in args and (value is None or str(value).lower() in ("none", "null")):
+        return None
     base = [a for a in args if a is not type(None)] if union else [tp]
     for t in base:
         ok, converted = _convert(value, t)
@@ -464,7 +468,8 @@ def validate(config: Config, world_size: int = 1) -> None:
         if not ok:
             problems.append(msg)
 
-    G, b, GA, S = r.num_generations, t.per_device_train_batch_size, t.gradient_accumulation_steps, t.steps_per_generation
+    G, b = r.num_generations, t.per_device_train_batch_size
+    GA, S = t.gradient_accumulation_steps, t.steps_per_generation
     need(G >= 2, f"rollout.num_generations = {G} must be >= 2: advantages compare completions "
                  f"of the same prompt; use 8 (TRL's default)")
     for key, v in (("per_device_train_batch_size", b), ("gradient_accumulation_steps", GA),

@@ -171,8 +171,13 @@ def test_unknown_flat_key_suggests_nearest(tmp_path):
 
 
 def test_unknown_section_is_named():
-    with pytest.raises(ConfigError, match=r"'optim'.*sections are model, data, rollout, loss, train"):
+    with pytest.raises(ConfigError, match=r"\[optim\]; sections are model, data, rollout, loss, train"):
         load_config(None, ["optim.lr=1"])
+
+
+def test_misspelt_section_suggests_nearest(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown config section \[los\]; did you mean \[loss\]"):
+        load_config(write(tmp_path, "[los]\nbeta = 0.1\n"), [])
 
 
 def test_ambiguous_flat_key_asks_for_a_section(tmp_path):
@@ -224,7 +229,8 @@ def test_generation_batch_counts_world_size():
 
 def test_steps_per_generation_must_be_multiple_of_gradient_accumulation():
     with pytest.raises(ConfigError, match=r"train\.steps_per_generation = 6 is not a multiple of "
-                                          r"train\.gradient_accumulation_steps = 4.*set steps_per_generation to 4 or 8"):
+                                          r"train\.gradient_accumulation_steps = 4.*"
+                                          r"set steps_per_generation to 4 or 8"):
         load_config(None, ["train.gradient_accumulation_steps=4", "train.steps_per_generation=6",
                            "train.per_device_train_batch_size=8"])
 

@@ -116,7 +116,8 @@ def test_wrong_prompt_type_names_line_and_value(tmp_path):
 
 
 def test_wrong_answer_type_names_line_and_value(tmp_path):
-    with pytest.raises(DataError, match=r"data\.jsonl:1: column 'answer' = '\[1\]' has type list; expected a string or a number"):
+    with pytest.raises(DataError, match=r"data\.jsonl:1: column 'answer' = '\[1\]' has type list; "
+                                        r"expected a string or a number"):
         load_jsonl(write_jsonl(tmp_path, [{"prompt": "a", "answer": [1]}]))
 
 
@@ -170,7 +171,8 @@ def test_format_prompt_without_system_prompt_has_only_the_user_turn(char_tokeniz
 def test_format_prompt_takes_chat_message_prompts_as_they_are(char_tokenizer):
     tok = char_tokenizer(TEMPLATE)
     prompt = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
-    assert tok.decode(format_prompt({"prompt": prompt}, tok, system_prompt="other")) == "<system>S\n<user>U\n<assistant>"
+    ids = format_prompt({"prompt": prompt}, tok, system_prompt="other")
+    assert tok.decode(ids) == "<system>S\n<user>U\n<assistant>"
 
 
 def test_format_prompt_without_template_is_plain_text(char_tokenizer):
