@@ -107,9 +107,20 @@ def test_gspo_with_grpo_aggregation_does_not_warn():
         check_loss_options("grpo", importance_sampling_level="sequence")
 
 
+def test_cispo_with_default_epsilon_high_warns():
+    with pytest.warns(UserWarning, match="cispo"):
+        check_loss_options("dapo", policy_loss="cispo")
+
+
+def test_cispo_with_explicit_epsilon_high_does_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_loss_options("dapo", policy_loss="cispo", epsilon_high=5.0)
+
+
 @pytest.mark.parametrize("kwargs, name", [
     (dict(loss_type="drgrpo"), "loss_type"),
-    (dict(loss_type="dapo", loss="ppo"), "loss"),
+    (dict(loss_type="dapo", policy_loss="ppo"), "policy_loss"),
     (dict(loss_type="dapo", importance_sampling_level="seq"), "importance_sampling_level"),
 ])
 def test_check_loss_options_rejects_unknown_names(kwargs, name):

@@ -4,8 +4,6 @@ Convention in these tests: old = 0, so logp = log(ratio) and d l / d logp = r * 
 """
 
 import math
-import warnings
-
 import pytest
 import torch
 
@@ -154,15 +152,6 @@ def test_cispo_weights_logp_by_the_capped_detached_ratio():
     assert_close(loss, (-w * 2.0 * logp).detach())
     assert_close(grad_of(loss, logp), -w * 2.0)  # no gradient through the ratio
     assert metrics["clip_ratio/high"].item() == pytest.approx(1 / 3)
-
-
-def test_cispo_warns_when_epsilon_high_is_left_at_default():
-    logp, old, adv, mask = setup()
-    with pytest.warns(UserWarning, match="cispo"):
-        policy_loss(logp, old, adv, mask, loss="cispo")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        policy_loss(logp, old, adv, mask, loss="cispo", epsilon_high=5.0)
 
 
 def test_sapo_soft_gate_value_and_gradient():

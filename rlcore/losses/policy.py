@@ -121,15 +121,20 @@ def mask_truncated(mask: Tensor, truncated: Tensor) -> Tensor:
 def check_loss_options(
     loss_type: str,
     *,
-    loss: str = "grpo",
+    policy_loss: str = "grpo",
     importance_sampling_level: str = "token",
+    epsilon_high: float | None = None,
 ) -> None:
     """Validate option names once, before training, and warn about combinations that are legal
-    but probably not what was meant."""
-    for name, value, valid in (("loss_type", loss_type, LOSS_TYPES), ("loss", loss, LOSSES),
+    but probably not what was meant. `policy_loss` is the `loss` argument of `policy_loss`."""
+    for name, value, valid in (("loss_type", loss_type, LOSS_TYPES), ("policy_loss", policy_loss, LOSSES),
                                ("importance_sampling_level", importance_sampling_level, LEVELS)):
         if value not in valid:
             raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
+    if policy_loss == "cispo" and epsilon_high is None:
+        warnings.warn("policy_loss='cispo' caps the ratio at epsilon_high, which was left at its "
+                      "default (= epsilon, 0.2): every update shrinks five-fold. CISPO uses an "
+                      "absolute cap such as epsilon_high=5.0", stacklevel=2)
     if importance_sampling_level != "token" and loss_type != "grpo":
         warnings.warn(
             f"importance_sampling_level={importance_sampling_level!r} (GSPO) with loss_type="
@@ -162,7 +167,8 @@ def policy_loss(
     advantages [B], mask [B, T], ref [B, T] reference log-probs (needed when beta != 0),
     tis_weights [B, T] or [B, 1] from `tis_weights`, entropy [B, T] of the current policy
     (needed when top_entropy_quantile < 1). epsilon_high defaults to epsilon; for cispo it is
-    an absolute cap on the ratio (recommended 5.0).
+    an absolute cap on the ratio (recommended 5.0). Option names and risky combinations are
+    checked once by `check_loss_options`, not per micro-batch.
     Metrics (detached 0-dim masked means over valid tokens, plus `tokens`, the count):
     clip_ratio/low, /high, /region (grpo: tokens where clipping removed the gradient; cispo:
     only /high, ratio above the cap), delta_bound (tokens whose loss is -delta * A),
@@ -194,9 +200,6 @@ def policy_loss(
     elif loss == "cispo":
         # CISPO (MiniMax-M1, 2506.13585): REINFORCE weighted by the capped, detached ratio,
         #   l = -sg(min(r, eps_high)) A log pi
-        if epsilon_high is None:
-            warnings.warn(f"loss='cispo' caps the ratio at epsilon_high, which was left at "
-                          f"epsilon={epsilon}; CISPO uses an absolute cap such as 5.0", stacklevel=2)
         l_pg = -ratio.clamp(max=eps_high).detach() * adv * logp
     else:
         # SAPO (Soft Adaptive Policy Optimization, 2511.20347): a sigmoid gate instead of a clip,
