@@ -92,6 +92,11 @@ def test_sequence_mask_zeroes_whole_sequences_outside_the_bounds():
     assert_close(tis_weights(OLD, SAMP, MASK, "sequence_mask", max=2.0), [[0.0], [1.5]])
 
 
+def test_tis_bounds_of_none_are_no_bounds():
+    assert_close(tis_weights(OLD, SAMP, MASK, "token_truncate", max=None)[0], [0.5, 1.5, 3.0])
+    assert_close(tis_weights(OLD, SAMP, MASK, "sequence_mask", max=None), [[2.25], [1.5]])
+
+
 def test_tis_weights_carry_no_grad():
     old = OLD.clone().requires_grad_()
     assert not tis_weights(old, SAMP, MASK).requires_grad

@@ -9,6 +9,7 @@
 Aggregation over tokens is a separate step: `rlcore.losses.aggregate.aggregate_loss`.
 """
 
+import math
 import warnings
 
 import torch
@@ -100,15 +101,12 @@ def tis_weights(
     if mode.startswith("sequence"):
         log_ratio = log_ratio.sum(-1, keepdim=True)
     ratio = log_ratio.exp()
+    low = 0.0 if min is None else min  # ratios are >= 0, so 0 is no bound
+    high = math.inf if max is None else max
     if mode in ("token_truncate", "sequence_truncate"):
-        return ratio.clamp(min=min, max=max)
+        return ratio.clamp(low, high)
     if mode in ("token_mask", "sequence_mask"):
-        outside = torch.zeros_like(ratio, dtype=torch.bool)
-        if min is not None:
-            outside |= ratio < min
-        if max is not None:
-            outside |= ratio > max
-        return ratio.masked_fill(outside, 0.0)
+        return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
     raise ValueError(f"unknown TIS mode {mode!r}; valid: {', '.join(TIS_MODES)}")
 
 
