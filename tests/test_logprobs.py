@@ -84,6 +84,19 @@ def test_bf16_inputs_compute_in_fp32_and_return_bf16_grads():
     torch.testing.assert_close(grad_w.double(), ref_w, rtol=1e-2, atol=1e-2)
 
 
+def test_backward_saves_inputs_and_logsumexp_but_no_logits():
+    (hidden, weight), targets = make_inputs()
+    saved = []
+
+    def pack(x):
+        saved.append(tuple(x.shape))
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        token_logprobs(hidden, weight, targets, chunk_size=4)
+    assert sorted(saved) == sorted([(B * T, H), (V, H), (B * T,), (B * T,)])  # h, W, targets, lse
+
+
 def test_entropy_carries_no_grad():
     (hidden, weight), targets = make_inputs()
     _, entropy = token_logprobs(hidden, weight, targets)
