@@ -1,0 +1,114 @@
+"""Rollout throughput: rlcore's engine vs transformers' `generate`, same weights, same run.
+
+Qwen2-shaped random model (hidden 512, 8 layers, 8 heads, 2 KV heads, intermediate 1408,
+vocab 32000, tied embeddings, fp32); 8 prompts x G=8 = 64 sequences, 64-token prompts,
+exactly 128 new tokens each (no EOS), plain sampling at temperature 1.
+
+    flock /tmp/rlcore-bench.lock python bench/rollout.py
+
+The last line is `rollout_speedup_vs_hf=<ratio>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+import transformers
+
+from rlcore.model import ModelConfig, Transformer
+from rlcore.rollout import generate
+
+HF_CONFIG = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+                 tie_word_embeddings=True, use_sliding_window=False)
+
+
+def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """This machine's fp32 matmul throughput: the best of a few n x n x n products."""
+    a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+    torch.mm(a, b, out=c)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b, out=c)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def rollout_flops(cfg: ModelConfig, prompts: int, G: int, prompt_len: int, new: int) -> float:
+    """Model FLOPs of the minimum work: each prompt once, then G * (new - 1) fed tokens per prompt.
+
+    2 * matmul params per token, plus 4 * layers * heads * head_dim * context for attention
+    (scores and weighted sum), plus the vocabulary projection for every sampled token.
+    """
+    h, d, L = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size
+    attn = 4 * L * cfg.num_attention_heads * d  # per token per context position
+    vocab = 2 * h * cfg.vocab_size
+    prefill = prompts * (prompt_len * 2 * L * per_layer + attn * prompt_len * (prompt_len + 1) / 2)
+    decode = prompts * G * sum(2 * L * per_layer + attn * (prompt_len + t + 1) for t in range(new - 1))
+    return prefill + decode + prompts * G * new * vocab
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--G", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    torch.manual_seed(args.seed)
+    hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**HF_CONFIG)).eval()
+    cfg = ModelConfig.from_hf(json.loads(hf.config.to_json_string()))
+    model = Transformer(cfg).eval()
+    model.load_state_dict(hf.state_dict(), strict=False)  # the tied lm_head key is extra
+
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(2, cfg.vocab_size, (args.prompts, args.prompt_len), generator=g)
+    N, new = args.prompts * args.G, args.new_tokens
+
+    def run_rlcore(max_new: int):
+        return generate(model, prompts.tolist(), args.G, max_new, eos_token_ids=[], pad_token_id=0,
+                        temperature=1.0, generator=torch.Generator().manual_seed(args.seed))
+
+    def run_hf(max_new: int):
+        with torch.inference_mode():
+            return hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True,
+                               temperature=1.0, top_k=None, top_p=None, max_new_tokens=max_new,
+                               min_new_tokens=max_new, num_return_sequences=args.G,
+                               eos_token_id=None, pad_token_id=0)
+
+    run_rlcore(4), run_hf(4)  # warm-up: first-call overheads out of the timings
+    t0 = time.perf_counter()
+    out = run_rlcore(new)
+    t_rl = time.perf_counter() - t0
+    assert out.completion_ids.shape == (N, new) and bool((out.lengths == new).all())
+    t0 = time.perf_counter()
+    hf_out = run_hf(new)
+    t_hf = time.perf_counter() - t0
+    assert hf_out.shape == (N, args.prompt_len + new)
+
+    peak = matmul_peak_gflops()
+    flops = rollout_flops(cfg, args.prompts, args.G, args.prompt_len, new)
+    print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, fp32 matmul peak {peak:.0f} GFLOP/s (2048^3 mm)")
+    print(f"workload: {args.prompts} prompts x G={args.G} = {N} sequences, {args.prompt_len}-token "
+          f"prompts, {new} new tokens each, fp32, temperature 1, model FLOPs {flops / 1e9:.0f} G")
+    for name, secs in (("rlcore", t_rl), ("transformers", t_hf)):
+        print(f"{name}: {N * new / secs:.0f} new tokens/s ({secs:.2f} s), "
+              f"{flops / secs / 1e9:.0f} GFLOP/s = {flops / secs / 1e9 / peak:.0%} of matmul peak")
+    print(f"rollout_speedup_vs_hf={t_hf / t_rl:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Next-token sampling: temperature, top-k, top-p, min-p, greedy, with log-probs.
+
+Filters apply in transformers' order, each to the distribution left by the one before:
+temperature, then top-k, then top-p (nucleus), then min-p. A filtered-out token gets logit
+-inf, so the kept tokens are renormalised.
+
+Two log-probs come back per token (SPEC 4.3):
+- `sampling_logprobs`: under the distribution actually sampled from (after the filters);
+- `full_logprobs`: under the full temperature-scaled distribution, which is what the trainer
+  computes, only when a filter is active (otherwise the two are equal and it is None).
+Greedy decoding (temperature 0) has no temperature to scale by; it reports the log-prob of
+the argmax under the unscaled (temperature 1) distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def filters_active(top_k: int, top_p: float, min_p: float) -> bool:
+    return top_k > 0 or top_p < 1.0 or min_p > 0.0
+
+
+def check_sampling_args(temperature: float, top_k: int, top_p: float, min_p: float) -> None:
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+    if not 0.0 <= min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1] (0 = off), got {min_p}")
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0,
+                  min_p: float = 0.0) -> torch.Tensor:
+    """Logits `[B, V]` with tokens outside top-k / top-p / min-p set to -inf (a new tensor).
+
+    top_k keeps the k largest (ties at the k-th value are all kept); top_p keeps the smallest
+    set of most likely tokens whose probability reaches top_p; min_p keeps tokens whose
+    probability is at least min_p times the most likely one's. The argmax always survives.
+    """
+    logits = logits.clone()
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits.masked_fill_(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        # Sorting the vocabulary is the expensive part (O(V log V) per row).
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs  # probability of the tokens ranked above
+        drop_sorted = mass_before >= top_p      # the set above already reached top_p
+        logits.masked_fill_(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        threshold = min_p * probs.max(-1, keepdim=True).values
+        logits.masked_fill_(probs < threshold, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+           min_p: float = 0.0, generator: torch.Generator | None = None):
+    """Draw one token per row from fp32 logits `[B, V]`.
+
+    Returns tokens `[B]` (long), sampling_logprobs `[B]` and full_logprobs `[B]` or None
+    (see the module docstring).
+    """
+    if temperature == 0.0:
+        tokens = logits.argmax(-1)
+        logprobs = logits.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
+        return tokens, logprobs, None
+    full = (logits / temperature).log_softmax(-1)
+    if filters_active(top_k, top_p, min_p):
+        sampled_from = filter_logits(full, top_k, top_p, min_p).log_softmax(-1)
+    else:
+        sampled_from = full
+    tokens = torch.multinomial(sampled_from.exp(), 1, generator=generator)
+    samp = sampled_from.gather(-1, tokens)[:, 0]
+    if sampled_from is full:
+        return tokens[:, 0], samp, None
+    return tokens[:, 0], samp, full.gather(-1, tokens)[:, 0]
