@@ -1,0 +1,102 @@
+"""Sampling filters and draws against a plain-Python fp64 reference of each filter's definition."""
+
+import math
+
+import pytest
+import torch
+
+from rlcore.rollout.sampling import filter_logits, sample
+
+V = 12
+
+
+def reference_distribution(logits, temperature, top_k=0, top_p=1.0, min_p=0.0) -> dict[int, float]:
+    """token -> probability after temperature, top-k, top-p, min-p (in that order), in fp64."""
+    z = [x / temperature for x in logits.tolist()]
+    top = max(z)
+    p = {i: math.exp(x - top) for i, x in enumerate(z)}
+
+    def renorm(d):
+        s = sum(d.values())
+        return {i: q / s for i, q in d.items()}
+
+    p = renorm(p)
+    if top_k:
+        p = renorm(dict(sorted(p.items(), key=lambda kv: -kv[1])[:top_k]))
+    if top_p < 1.0:
+        kept, mass = {}, 0.0
+        for i, q in sorted(p.items(), key=lambda kv: -kv[1]):
+            if mass >= top_p:
+                break
+            kept[i], mass = q, mass + q
+        p = renorm(kept)
+    if min_p:
+        best = max(p.values())
+        p = renorm({i: q for i, q in p.items() if q >= min_p * best})
+    return p
+
+
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """Upper critical value of chi-square at p = 0.001 (z = 3.09), Wilson-Hilferty approximation."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_chi2_critical_matches_table():
+    # Tabulated chi-square 0.999 quantiles.
+    for df, table in [(1, 10.828), (5, 20.515), (10, 29.588), (20, 45.315)]:
+        assert abs(chi2_critical(df) - table) / table < 0.05
+
+
+CASES = [
+    dict(temperature=1.0),
+    dict(temperature=0.6),
+    dict(temperature=1.0, top_k=4),
+    dict(temperature=1.5, top_p=0.6),
+    dict(temperature=1.0, min_p=0.15),
+    dict(temperature=0.8, top_k=7, top_p=0.9, min_p=0.05),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_samples_follow_the_filtered_distribution(case):
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(0)) * 2
+    ref = reference_distribution(logits, **case)
+    n = 40_000
+    tokens, samp, full = sample(logits.expand(n, V).contiguous(), **case,
+                                generator=torch.Generator().manual_seed(1))
+    assert set(tokens.tolist()) <= set(ref)  # only allowed tokens, ever
+    counts = torch.bincount(tokens, minlength=V).double()
+    stat = sum((counts[i].item() - n * q) ** 2 / (n * q) for i, q in ref.items())
+    assert stat < chi2_critical(len(ref) - 1), (stat, len(ref))
+
+    expected_samp = torch.tensor([math.log(ref[t]) for t in tokens[:100].tolist()], dtype=torch.float64)
+    torch.testing.assert_close(samp[:100].double(), expected_samp, rtol=0, atol=1e-5)
+    full_ref = (logits.double() / case["temperature"]).log_softmax(-1)[tokens[:100]]
+    if len(case) == 1:
+        assert full is None
+    else:
+        torch.testing.assert_close(full[:100].double(), full_ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", CASES[2:], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_filter_keeps_exactly_the_reference_set(case):
+    g = torch.Generator().manual_seed(2)
+    for _ in range(20):
+        logits = torch.randn(V, generator=g) * 3
+        kept = filter_logits(logits[None] / case["temperature"], case.get("top_k", 0),
+                             case.get("top_p", 1.0), case.get("min_p", 0.0))[0].isfinite()
+        assert set(kept.nonzero()[:, 0].tolist()) == set(reference_distribution(logits, **case))
+
+
+def test_greedy_takes_the_argmax_with_its_unscaled_logprob():
+    logits = torch.randn(5, V, generator=torch.Generator().manual_seed(3))
+    tokens, samp, full = sample(logits, temperature=0.0, top_k=3)
+    assert torch.equal(tokens, logits.argmax(-1)) and full is None
+    torch.testing.assert_close(samp, logits.log_softmax(-1).max(-1).values)
+
+
+def test_masked_tokens_are_never_drawn():
+    logits = torch.zeros(10_000, V)
+    logits[:, ::2] = float("-inf")
+    tokens, _, _ = sample(logits, generator=torch.Generator().manual_seed(4))
+    assert (tokens % 2 == 1).all()
