@@ -163,3 +163,21 @@ def test_non_numeric_score_names_the_function_and_value():
 
     with pytest.raises(TypeError, match="says_yes returned 'yes'"):
         score_completions([says_yes], PROMPTS, COMPLETIONS, COLUMNS)
+
+
+def test_numpy_scores_are_accepted():
+    np = pytest.importorskip("numpy")
+
+    def as_array(prompts, completions, **kwargs):
+        return np.array([len(c) for c in completions], dtype=np.float32)
+
+    scores = score_completions([as_array], PROMPTS, COMPLETIONS, COLUMNS)
+    torch.testing.assert_close(scores, torch.tensor([[1.0], [2.0], [3.0]]))
+
+
+def test_a_single_number_instead_of_a_list_names_the_function():
+    def scalar(prompts, completions, **kwargs):
+        return 1.0
+
+    with pytest.raises(TypeError, match="scalar returned float; it must return a list of 3"):
+        score_completions([scalar], PROMPTS, COMPLETIONS, COLUMNS)

@@ -45,9 +45,10 @@ def score_completions(
 
 def _check_scores(name: str, values, n: int) -> list:
     """Validate one reward function's output: a sequence of n numbers or None."""
-    if not isinstance(values, Sequence) or isinstance(values, str):
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
         raise TypeError(f"reward function {name} returned {type(values).__name__}; "
                         f"it must return a list of {n} floats or None")
+    values = list(values)  # a list, tuple or numpy array
     if len(values) != n:
         raise ValueError(f"reward function {name} returned {len(values)} scores for {n} "
                          "completions; it must return one float or None per completion")
@@ -55,7 +56,7 @@ def _check_scores(name: str, values, n: int) -> list:
         if value is not None and (not isinstance(value, numbers.Real) or isinstance(value, bool)):
             raise TypeError(f"reward function {name} returned {value!r} ({type(value).__name__}) "
                             f"for sample {i}; expected a float or None")
-    return list(values)
+    return values
 
 
 def _score_one_by_one(fn, name, prompts, completions, columns, on_error, batch_err) -> list:
