@@ -3,7 +3,7 @@
 Prompts and answers are a few characters long so that the tiny embedded model (one token per
 character) can learn them on a CPU in minutes.
 
-- `arithmetic`: `"7+5="` -> `"12"`; operands 0..max_operand, `+` or `-` (never negative).
+- `arithmetic`: `"27+35="` -> `"62"`; operands 0..49, addition (subtraction available, never negative).
   Scored by the `accuracy` reward.
 - `countdown`: `"Make 14 from 2 3 4:"` -> an expression such as `"(3+4)*2"` that uses each number
   once with + - * / and equals the target. Many expressions are right; `answer` is one of them.
@@ -24,13 +24,16 @@ TASKS = ("arithmetic", "countdown")
 TASK_REWARD = {"arithmetic": "accuracy", "countdown": "countdown", "jsonl": "accuracy"}
 
 
-def arithmetic_problems(rng: random.Random, max_operand: int = 9) -> list[dict]:
-    """Every `a+b` and `a-b` (a >= b) with operands in 0..max_operand, in a seeded random order."""
+def arithmetic_problems(rng: random.Random, max_operand: int = 49, ops: str = "+") -> list[dict]:
+    """Every `a+b` (and `a-b` with a >= b when "-" is in `ops`) with operands in 0..max_operand,
+    in a seeded random order. The default, two-digit addition up to 49+49, has 2,500 problems:
+    enough that held-out accuracy measures arithmetic rather than memory."""
     problems = []
     for a in range(max_operand + 1):
         for b in range(max_operand + 1):
-            problems.append({"prompt": f"{a}+{b}=", "answer": str(a + b), "a": a, "b": b, "op": "+"})
-            if a >= b:
+            if "+" in ops:
+                problems.append({"prompt": f"{a}+{b}=", "answer": str(a + b), "a": a, "b": b, "op": "+"})
+            if "-" in ops and a >= b:
                 problems.append({"prompt": f"{a}-{b}=", "answer": str(a - b), "a": a, "b": b, "op": "-"})
     rng.shuffle(problems)
     return problems

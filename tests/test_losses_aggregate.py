@@ -120,7 +120,7 @@ def test_cispo_with_explicit_epsilon_high_does_not_warn():
 
 @pytest.mark.parametrize("kwargs, name", [
     (dict(loss_type="drgrpo"), "loss_type"),
-    (dict(loss_type="dapo", policy_loss="ppo"), "policy_loss"),
+    (dict(loss_type="dapo", policy_loss="reinforce"), "policy_loss"),
     (dict(loss_type="dapo", importance_sampling_level="seq"), "importance_sampling_level"),
 ])
 def test_check_loss_options_rejects_unknown_names(kwargs, name):

@@ -171,8 +171,8 @@ def test_sapo_soft_gate_value_and_gradient():
 # On-policy, zero-signal and all-masked cases --------------------------------------------
 
 @pytest.mark.parametrize("options", [
-    dict(loss="grpo"),
-    dict(loss="grpo", epsilon_high=0.28, delta=4.0),
+    dict(loss="ppo"),
+    dict(loss="ppo", epsilon_high=0.28, delta=4.0),
     dict(loss="cispo", epsilon_high=5.0),
     dict(loss="sapo"),
 ])
@@ -253,7 +253,7 @@ def test_entropy_metric_is_masked_mean():
 
 # cispo and sequence_token stop gradients on purpose (their gradient is not the derivative of
 # their value), so finite differences cannot check them; their gradients are closed-form above.
-@pytest.mark.parametrize("loss", ["grpo", "sapo"])
+@pytest.mark.parametrize("loss", ["ppo", "sapo"])
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_gradcheck_fp64(loss, level):
     gen = torch.Generator().manual_seed(1)
@@ -275,8 +275,8 @@ def test_gradcheck_fp64(loss, level):
 
 def test_unknown_loss_raises():
     logp, old, adv, mask = setup()
-    with pytest.raises(ValueError, match="valid: grpo, cispo, sapo"):
-        policy_loss(logp, old, adv, mask, loss="ppo")
+    with pytest.raises(ValueError, match="valid: ppo, cispo, sapo"):
+        policy_loss(logp, old, adv, mask, loss="grpo")
 
 
 def test_beta_without_ref_raises():

@@ -77,8 +77,8 @@ def test_eval_problems_never_appear_in_training(task):
 
 
 def test_split_with_no_problems_left_to_train_is_an_error():
-    with pytest.raises(ValueError, match=r"data\.num_eval = 1000 leaves none to train on"):
-        train_eval_split("arithmetic", 10, 1000, seed=0)
+    with pytest.raises(ValueError, match=r"data\.num_eval = 3000 leaves none to train on"):
+        train_eval_split("arithmetic", 10, 3000, seed=0)
 
 
 def test_unknown_task_lists_tasks():

@@ -19,7 +19,7 @@ from torch import Tensor
 from rlcore.losses.aggregate import LOSS_TYPES
 from rlcore.losses.metrics import masked_mean
 
-LOSSES = ("grpo", "cispo", "sapo")
+LOSSES = ("ppo", "cispo", "sapo")
 LEVELS = ("token", "sequence", "sequence_token")
 TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
@@ -119,7 +119,7 @@ def mask_truncated(mask: Tensor, truncated: Tensor) -> Tensor:
 def check_loss_options(
     loss_type: str,
     *,
-    policy_loss: str = "grpo",
+    policy_loss: str = "ppo",
     importance_sampling_level: str = "token",
     epsilon_high: float | None = None,
 ) -> None:
@@ -146,7 +146,7 @@ def policy_loss(
     advantages: Tensor,
     mask: Tensor,
     *,
-    loss: str = "grpo",
+    loss: str = "ppo",
     importance_sampling_level: str = "token",
     epsilon: float = 0.2,
     epsilon_high: float | None = None,
@@ -168,7 +168,7 @@ def policy_loss(
     an absolute cap on the ratio (recommended 5.0). Option names and risky combinations are
     checked once by `check_loss_options`, not per micro-batch.
     Metrics (detached 0-dim masked means over valid tokens, plus `tokens`, the count):
-    clip_ratio/low, /high, /region (grpo: tokens where clipping removed the gradient; cispo:
+    clip_ratio/low, /high, /region (ppo: tokens where clipping removed the gradient; cispo:
     only /high, ratio above the cap), delta_bound (tokens whose loss is -delta * A),
     kl_old/k1, kl_old/k3 (policy vs old), kl_ref (when ref is given), entropy,
     entropy_mask/kept, tis/mean (when their inputs are given).
@@ -188,7 +188,7 @@ def policy_loss(
     ratio = importance_weights(logp, old, mask, importance_sampling_level).exp()  # [B, T] or [B, 1]
 
     # 1. Policy-gradient term.
-    if loss == "grpo":
+    if loss == "ppo":
         # PPO clip (Schulman et al. 2017) with DAPO's decoupled eps_low / eps_high (2503.14476):
         #   l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
         # INTELLECT-2 (2505.07291) caps the unclipped branch at delta: r -> min(r, delta).
@@ -226,7 +226,7 @@ def policy_loss(
             "kl_old/k1": masked_mean(-log_ratio, mask),
             "kl_old/k3": masked_mean(log_ratio.exp() - 1 - log_ratio, mask),
         }
-        if loss == "grpo":
+        if loss == "ppo":
             low = (r < 1 - eps_low) & (adv < 0)
             high = (r > 1 + eps_high) & (adv > 0)
             metrics["clip_ratio/low"] = masked_mean(low.float(), mask)

@@ -1,0 +1,93 @@
+"""The embedded default model: a tiny character-level Qwen2, warm-started by rlcore's own SFT.
+
+Built on first run (about a minute on 2 CPU cores) and cached, so the quick start needs no
+download. The warm start is deliberately imperfect: it imitates a *buggy demonstrator* that answers
+one too high in a fraction `noise` (60%) of its demonstrations. The resulting policy knows the
+format and puts real probability (about 40%) on the right answer, but its greedy answer is the
+demonstrator's bug: held-out greedy accuracy starts near zero. That is the situation GRPO is
+for: the right answer is among the policy's own samples, and an exact-match reward is enough to
+find and reinforce it. (Behaviour cloning cannot fix this; more demonstrations of the same
+demonstrator only sharpen the bug.)
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from pathlib import Path
+
+import torch
+
+from rlcore.checkpoint import save_model
+from rlcore.model import ModelConfig, Transformer
+from rlcore.sft import sft
+
+EOS, PAD = "<|endoftext|>", "<|pad|>"
+CHARS = string.printable[:95]  # digits, letters, punctuation, space
+
+ARCH = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="silu",
+            vocab_size=128, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+            rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
+            eos_token_id=0, pad_token_id=1, bos_token_id=None)
+
+
+def write_char_tokenizer(path: Path) -> None:
+    """tokenizer.json (one token per printable ASCII character) and tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {tok: i for i, tok in enumerate([EOS, PAD, *CHARS])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: every character a token
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([EOS, PAD])
+    tok.save(str(path / "tokenizer.json"))
+    with open(path / "tokenizer_config.json", "w") as f:
+        json.dump({"eos_token": EOS, "pad_token": PAD, "bos_token": None,
+                   "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 128}, f, indent=2)
+    with open(path / "generation_config.json", "w") as f:
+        json.dump({"eos_token_id": 0, "pad_token_id": 1}, f, indent=2)
+
+
+def buggy(answer: str) -> str:
+    """The demonstrator's bug: an off-by-one answer."""
+    return str(int(answer) + 1)
+
+
+def build_embedded_model(path: str | Path, examples: list[dict], *, noise: float = 0.6,
+                         steps: int = 800, batch_size: int = 128, lr: float = 3e-3,
+                         seed: int = 0) -> Path:
+    """Create (once) the embedded checkpoint at `path` from task examples with `prompt`/`answer`."""
+    path = Path(path)
+    if (path / "model.safetensors").is_file():
+        return path
+    print(f"building the embedded default model at {path} (first run only)", flush=True)
+    from rlcore.tokenizer import Tokenizer
+
+    tmp = path.with_name(path.name + ".build")
+    tmp.mkdir(parents=True, exist_ok=True)
+    write_char_tokenizer(tmp)
+    tok = Tokenizer.from_dir(tmp)
+    torch.manual_seed(seed)
+    model = Transformer(ModelConfig.from_hf(ARCH))
+    model.apply(init_weights)
+    rng = random.Random(seed)
+    prompts = [tok.encode(ex["prompt"]) for ex in examples]
+    answers = [buggy(ex["answer"]) if rng.random() < noise else ex["answer"] for ex in examples]
+    completions = [tok.encode(a) + [tok.eos_token_id] for a in answers]
+    sft(model, prompts, completions, pad_id=tok.pad_token_id, steps=steps,
+        batch_size=batch_size, lr=lr, seed=seed, log_every=100)
+    files = {n: tmp / n for n in ("tokenizer.json", "tokenizer_config.json", "generation_config.json")}
+    save_model(model, path, extra_files=files)
+    for f in files.values():
+        f.unlink()
+    tmp.rmdir()
+    return path
+
+
+def init_weights(m: torch.nn.Module) -> None:
+    if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+        torch.nn.init.normal_(m.weight, std=0.02)
+        if getattr(m, "bias", None) is not None:
+            torch.nn.init.zeros_(m.bias)
+

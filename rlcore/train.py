@@ -1,0 +1,351 @@
+"""The GRPO training loop: one function, read top to bottom.
+
+    for each round:
+        rollout      G completions for each of b*S/G prompts        (rlcore.rollout)
+        rewards      reward functions -> R[N, F]                       (rlcore.rewards)
+        advantages   group-normalised, over the whole round            (rlcore.losses.advantages)
+        old / ref    log-probs under no_grad, only when needed          (SPEC 1)
+        for epoch in range(mu):                                         (mu = num_iterations)
+            for each of the S micro-batches:
+                per-token loss -> aggregate -> backward                 (rlcore.losses)
+                every GA micro-batches: clip, optimizer step, metrics
+        eval, checkpoint
+
+Everything that needs a flag is an `if` in `train()`. The helpers above it only move data.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from rlcore.checkpoint import load_model, save_model
+from rlcore.config import Config, validate
+from rlcore.data import encode_prompts, load_examples
+from rlcore.embedded import build_embedded_model
+from rlcore.losses.advantages import compute_advantages, score_completions
+from rlcore.losses.aggregate import aggregate_loss
+from rlcore.losses.policy import mask_truncated, policy_loss, tis_weights
+from rlcore.rewards import get_reward_funcs
+from rlcore.rollout import generate
+from rlcore.sft import completion_logprobs, pack
+from rlcore.tasks import TASK_REWARD, unique_problems
+from rlcore.tokenizer import Tokenizer, check_vocab_fits
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                   "chat_template.jinja", "special_tokens_map.json")
+
+
+# ----------------------------------------------------------------------------- plumbing
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def lr_lambda(cfg: Config, total_steps: int):
+    """Linear warmup, then constant or cosine decay to zero (as transformers' schedulers)."""
+    t = cfg.train
+    warmup = t.warmup_steps or math.ceil(t.warmup_ratio * total_steps)
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if t.lr_scheduler_type in ("constant", "constant_with_warmup"):
+            return 1.0
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+def embedded_model_dir(cfg: Config) -> Path:
+    """The embedded default checkpoint, built on first run from the task's training problems.
+
+    Cached under $RLCORE_CACHE (default ~/.cache/rlcore), keyed by what decides its contents,
+    so the held-out problems of `data.seed` / `data.num_eval` are never in its SFT data.
+    """
+    d = cfg.data
+    if d.task != "arithmetic":
+        raise ValueError(f"the embedded model is built for data.task = 'arithmetic', not {d.task!r}; "
+                         "set model.path to a Hugging Face checkpoint directory for other tasks")
+    cache = Path(os.environ.get("RLCORE_CACHE", Path.home() / ".cache" / "rlcore"))
+    pool = unique_problems("arithmetic", 10**6, d.seed)[d.num_eval:]  # everything but the eval set
+    return build_embedded_model(cache / f"embedded-arithmetic-seed{d.seed}-eval{d.num_eval}", pool)
+
+
+def next_prompts(examples: list[dict], pos: int, n: int, seed: int) -> list[dict]:
+    """Examples pos .. pos+n-1 of an endless stream that reshuffles every pass (seeded)."""
+    out = []
+    for i in range(pos, pos + n):
+        epoch, j = divmod(i, len(examples))
+        order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch))
+        out.append(examples[order[j].item()])
+    return out
+
+
+@torch.no_grad()
+def evaluate(model, tok: Tokenizer, examples: list[dict], accuracy_fn, max_new_tokens: int,
+             batch_size: int = 128) -> float:
+    """Held-out greedy accuracy: the fraction of prompts whose greedy answer scores 1."""
+    correct = 0.0
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i:i + batch_size]
+        ro = generate(model, [ex["prompt_ids"] for ex in chunk], 1, max_new_tokens,
+                      eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id, temperature=0.0)
+        texts = decode_completions(tok, ro)
+        columns = {k: [ex[k] for ex in chunk] for k in chunk[0] if k not in ("prompt", "prompt_ids")}
+        scores = accuracy_fn(prompts=[ex["prompt"] for ex in chunk], completions=texts, **columns)
+        correct += sum(1.0 for s in scores if s is not None and s >= 1.0)
+    return correct / max(1, len(examples))
+
+
+def decode_completions(tok: Tokenizer, ro) -> list[str]:
+    """Text of each completion, for the reward functions only (training uses the token ids)."""
+    return [tok.decode(ids[:n].tolist(), skip_special_tokens=True)
+            for ids, n in zip(ro.completion_ids, ro.lengths.tolist())]
+
+
+def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep: int = 2) -> Path:
+    """run/checkpoint-<step>/: HF weights + tokenizer + trainer_state.pt, then `latest` points to it.
+
+    The directory is written under a temporary name and renamed, and `latest` is replaced
+    atomically, so a crash at any point leaves the previous checkpoint intact and findable.
+    """
+    final = run / f"checkpoint-{step}"
+    tmp = run / f".checkpoint-{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    extra = {n: source / n for n in TOKENIZER_FILES if (source / n).is_file()}
+    save_model(model, tmp / "model", extra_files=extra)
+    torch.save(state, tmp / "trainer_state.pt")
+    with open(tmp / "trainer_state.pt", "rb") as f:
+        os.fsync(f.fileno())
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    with open(run / "latest.tmp", "w") as f:
+        f.write(final.name)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(run / "latest.tmp", run / "latest")
+    old = sorted((p for p in run.glob("checkpoint-*") if p != final), key=lambda p: int(p.name.split("-")[1]))
+    for p in old[:-keep + 1] if keep > 1 else old:
+        shutil.rmtree(p, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run: Path) -> Path:
+    ptr = run / "latest"
+    if not ptr.is_file():
+        raise FileNotFoundError(f"{run}: no `latest` file; nothing to resume (was a checkpoint saved?)")
+    ck = run / ptr.read_text().strip()
+    if not (ck / "trainer_state.pt").is_file():
+        raise FileNotFoundError(f"{ck}: checkpoint named by {ptr} is incomplete")
+    return ck
+
+
+def log_line(step: int, max_steps: int, m: dict) -> str:
+    return (f"step {step:>4}/{max_steps}  reward {m['reward/mean']:.3f}  acc {m['reward/accuracy']:.3f}  "
+            f"kl {m['kl_old/k3']:.4f}  clip {m['clip_ratio/region']:.3f}  len {m['completion/len_mean']:.1f}  "
+            f"gen {m['tokens_per_s/rollout']:.0f} tok/s  time rollout {m['time/rollout']:.1f}s "
+            f"score {m['time/scoring']:.2f}s update {m['time/update']:.1f}s")
+
+
+# ----------------------------------------------------------------------------- the loop
+
+def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
+    """Run GRPO as configured; returns {'before': acc, 'after': acc, 'run_dir': path}."""
+    world = 1
+    validate(cfg, world_size=world)
+    t, lc, rc = cfg.train, cfg.loss, cfg.rollout
+    device = pick_device(t.device)
+    run = Path(t.output_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(t.seed)
+
+    # Model, tokenizer, data.
+    train_set, eval_set = load_examples(cfg.data)
+    model_dir = Path(cfg.model.path) if cfg.model.path not in ("", "embedded") else embedded_model_dir(cfg)
+    tok = Tokenizer.from_dir(model_dir)
+    ck = latest_checkpoint(Path(resume)) if resume else None
+    model = load_model(ck / "model" if ck else model_dir, cfg.model.dtype, device)
+    check_vocab_fits(tok, model.config.vocab_size, model_dir)
+    ref = load_model(cfg.model.ref_path or model_dir, cfg.model.dtype, device).eval() if lc.beta else None
+    for split in (train_set, eval_set):
+        ids = encode_prompts(split, tok, cfg.data.system_prompt, cfg.data.use_chat_template,
+                             cfg.data.max_prompt_length)
+        for ex, p in zip(split, ids):
+            ex["prompt_ids"] = p
+    reward_funcs = get_reward_funcs(lc.reward_funcs)
+    accuracy_fn = get_reward_funcs([TASK_REWARD[cfg.data.task]])[0]
+
+    # Batch geometry (SPEC 1): one round = b*S*P completions = that / G prompts x G samples.
+    G, b, GA, mu = rc.num_generations, t.per_device_train_batch_size, t.gradient_accumulation_steps, lc.num_iterations
+    S = t.steps_per_generation or GA
+    N = b * S * world
+    steps_per_round = S * mu // GA
+    off_policy = mu > 1 or S > GA
+
+    opt = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
+                            eps=t.adam_epsilon, weight_decay=t.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, t.max_steps))
+    rng = torch.Generator(device=device).manual_seed(t.seed)  # sampling and shuffling
+    step, data_pos, bad_in_row, bad_total = 0, 0, 0, 0
+    metrics_file = run / "metrics.jsonl"
+    if ck:
+        st = torch.load(ck / "trainer_state.pt", weights_only=False)
+        opt.load_state_dict(st["optimizer"])
+        sched.load_state_dict(st["scheduler"])
+        rng.set_state(st["rng"])
+        torch.set_rng_state(st["torch_rng"])
+        step, data_pos, bad_total, before = st["step"], st["data_pos"], st["nonfinite_total"], st["before"]
+        keep = [ln for ln in metrics_file.read_text().splitlines() if json.loads(ln)["step"] <= step]
+        metrics_file.write_text("".join(ln + "\n" for ln in keep))
+        print(f"resumed from {ck} at step {step}", flush=True)
+    else:
+        metrics_file.write_text("")
+        before = evaluate(model, tok, eval_set, accuracy_fn, t.eval_max_completion_length)
+        print(f"held-out accuracy before training: {before:.3f}", flush=True)
+
+    while step < t.max_steps:
+        # 1. Rollout: G samples per prompt, token ids in and out.
+        t0 = time.time()
+        batch = next_prompts(train_set, data_pos, N // G, t.seed)
+        data_pos += N // G
+        model.eval()
+        ro = generate(model, [ex["prompt_ids"] for ex in batch], G, rc.max_completion_length,
+                      eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id,
+                      temperature=rc.temperature, top_k=rc.top_k, top_p=rc.top_p, min_p=rc.min_p,
+                      stop_sequences=[tok.encode(s) for s in rc.stop], generator=rng)
+        t_rollout = time.time() - t0
+
+        # 2. Rewards and advantages, over the whole round before it is cut into micro-batches.
+        t0 = time.time()
+        rows = [ex for ex in batch for _ in range(G)]
+        texts = decode_completions(tok, ro)
+        columns = {k: [ex[k] for ex in rows] for k in rows[0] if k not in ("prompt", "prompt_ids")}
+        R = score_completions(reward_funcs, [ex["prompt"] for ex in rows], texts, columns,
+                              on_error=lc.reward_on_error)
+        adv, reward_stats = compute_advantages(R, G, lc.reward_weights, lc.scale_rewards)
+        acc = accuracy_fn(prompts=[ex["prompt"] for ex in rows], completions=texts, **columns)
+        t_score = time.time() - t0
+
+        # 3. Training tensors: prompt (left-padded) + completion (right-padded).
+        t0 = time.time()
+        ids, attn, cids, mask, Lp = pack(ro.prompt_ids, [c[:n].tolist() for c, n in zip(ro.completion_ids, ro.lengths)],
+                                         tok.pad_token_id)
+        ids, attn, cids, mask = ids.to(device), attn.to(device), cids.to(device), mask.to(device)
+        samp = ro.full_logprobs if ro.full_logprobs is not None else ro.sampling_logprobs
+        samp = samp[:, :cids.shape[1]].to(device)
+        truncated = ro.truncated.to(device)
+        if lc.mask_truncated_completions:
+            mask = mask_truncated(mask, truncated)
+        adv = adv.to(device)
+
+        # 4. old log-probs only when the round is off-policy (or TIS needs them); ref only if beta.
+        model.train()
+        old = ref_lp = tis = None
+        with torch.no_grad():
+            if off_policy or lc.tis_mode:
+                old = torch.cat([completion_logprobs(model, ids[i:i + b], attn[i:i + b], Lp, cids[i:i + b],
+                                                     rc.temperature)[0] for i in range(0, N, b)])
+            if lc.beta:
+                ref_lp = torch.cat([completion_logprobs(ref, ids[i:i + b], attn[i:i + b], Lp, cids[i:i + b],
+                                                        rc.temperature)[0] for i in range(0, N, b)])
+            if lc.tis_mode:
+                tis = tis_weights(old, samp, mask, lc.tis_mode, min=lc.tis_min, max=lc.tis_max)
+        t_old = time.time() - t0
+        if not off_policy:
+            old = None  # on-policy: old = logp.detach() inside the loop, the ratio is exactly 1
+
+        # 5. Shuffle once, cut into S micro-batches, replay mu times in the same order.
+        perm = torch.randperm(N, generator=rng, device=device)
+        micro = [perm[k * b:(k + 1) * b] for k in range(S)]
+        t_update, step_metrics = time.time(), []
+        for epoch in range(mu):
+            for k, r in enumerate(micro):
+                if k % GA == 0:
+                    step_tokens = sum(mask[micro[j]].sum() for j in range(k, k + GA)).item()
+                logp, entropy = completion_logprobs(model, ids[r], attn[r], Lp, cids[r], rc.temperature)
+                l, m = policy_loss(
+                    logp, logp.detach() if old is None else old[r], adv[r], mask[r],
+                    loss=lc.policy_loss, importance_sampling_level=lc.importance_sampling_level,
+                    epsilon=lc.epsilon, epsilon_high=lc.epsilon_high, delta=lc.delta,
+                    ref=None if ref_lp is None else ref_lp[r], beta=lc.beta,
+                    tis_weights=None if tis is None else tis[r], entropy=entropy,
+                    top_entropy_quantile=lc.top_entropy_quantile)
+                loss = aggregate_loss(l, mask[r], lc.loss_type, gradient_accumulation_steps=GA,
+                                      max_completion_length=rc.max_completion_length,
+                                      step_tokens=step_tokens, world_size=world)
+                loss.backward()
+                step_metrics.append({"loss": loss.item(), **{k_: float(v) for k_, v in m.items()}})
+                if (k + 1) % GA:
+                    continue
+
+                # Optimizer step. A non-finite loss or gradient skips it (and is counted).
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+                finite = math.isfinite(grad_norm.item()) and all(math.isfinite(s["loss"]) for s in step_metrics)
+                if finite:
+                    opt.step()
+                    bad_in_row = 0
+                else:
+                    bad_in_row, bad_total = bad_in_row + 1, bad_total + 1
+                    print(f"step {step + 1}: non-finite loss or gradient, optimizer step skipped "
+                          f"({bad_in_row} in a row)", flush=True)
+                    if bad_in_row >= t.max_nonfinite_steps:
+                        raise RuntimeError(f"{bad_in_row} non-finite steps in a row (train.max_nonfinite_steps="
+                                           f"{t.max_nonfinite_steps}); lower the learning rate or check rewards")
+                opt.zero_grad(set_to_none=True)
+                sched.step()
+                step += 1
+
+                # Metrics (SPEC 6): round statistics + this step's loss diagnostics.
+                n_tok = ro.lengths.sum().item()
+                met = {"step": step, "epoch": epoch, **reward_stats,
+                       **{k_: sum(s[k_] for s in step_metrics) / len(step_metrics) for k_ in step_metrics[0]},
+                       "reward/accuracy": sum(a or 0.0 for a in acc) / len(acc),
+                       "completion/len_mean": ro.lengths.float().mean().item(),
+                       "completion/len_min": ro.lengths.min().item(), "completion/len_max": ro.lengths.max().item(),
+                       "completion/truncated_frac": ro.truncated.float().mean().item(),
+                       "grad_norm": grad_norm.item(), "lr": sched.get_last_lr()[0], "skipped": not finite,
+                       "nonfinite_total": bad_total,
+                       "tokens_per_s/rollout": n_tok / max(t_rollout, 1e-9),
+                       "time/rollout": t_rollout, "time/scoring": t_score, "time/old_logp": t_old,
+                       "time/update": time.time() - t_update,
+                       "tokens_per_s/train": n_tok * (epoch + 1) / max(time.time() - t_update, 1e-9)}
+                if old is not None:
+                    valid = mask.bool()
+                    met["mismatch/abs_mean"] = (samp - old).abs()[valid].mean().item()
+                    met["mismatch/abs_max"] = (samp - old).abs()[valid].max().item()
+                    d = (samp - old)[valid]
+                    met["mismatch/k3"] = (d.exp() - d - 1).mean().item()
+                if device.type == "cuda":
+                    met["memory/peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+                with open(metrics_file, "a") as f:
+                    f.write(json.dumps(met) + "\n")
+                if step % t.logging_steps == 0 or step == 1:
+                    print(log_line(step, t.max_steps, met), flush=True)
+                step_metrics = []
+                if step >= t.max_steps:
+                    break
+            if step >= t.max_steps:
+                break
+
+        # Eval and checkpoint at round boundaries (a checkpoint never holds half a round).
+        if t.eval_steps and step % t.eval_steps < steps_per_round and step < t.max_steps:
+            print(f"step {step}: held-out accuracy "
+                  f"{evaluate(model, tok, eval_set, accuracy_fn, t.eval_max_completion_length):.3f}", flush=True)
+        if (t.save_steps and step % t.save_steps < steps_per_round) or step >= t.max_steps:
+            state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng.get_state(),
+                     "torch_rng": torch.get_rng_state(), "step": step, "data_pos": data_pos,
+                     "nonfinite_total": bad_total, "before": before}
+            save_checkpoint(run, step, model, Path(model_dir), state)
+
+    after = evaluate(model, tok, eval_set, accuracy_fn, t.eval_max_completion_length)
+    return {"before": before, "after": after, "run_dir": str(run)}
