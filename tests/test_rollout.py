@@ -223,3 +223,13 @@ def test_compacting_finished_rows_changes_no_result(monkeypatch):
     plain = run()
     assert torch.equal(compacted.completion_ids, plain.completion_ids)
     torch.testing.assert_close(compacted.sampling_logprobs, plain.sampling_logprobs, rtol=0, atol=1e-6)
+
+
+def test_a_repeated_prompt_is_prefilled_once_and_gets_its_own_rows():
+    model = rlcore_model(make_hf_model("qwen2"))
+    a, b = random_prompts([4, 6], seed=6)
+    out = generate(model, [a, b, a], 2, 8, eos_token_ids=[1], pad_token_id=PAD, temperature=0.0)
+    assert out.prompt_ids == [a, a, b, b, a, a]
+    single = generate(model, [a, b], 2, 8, eos_token_ids=[1], pad_token_id=PAD, temperature=0.0)
+    assert torch.equal(out.completion_ids[:4], single.completion_ids)
+    assert torch.equal(out.completion_ids[4:], single.completion_ids[:2])

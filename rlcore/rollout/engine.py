@@ -122,8 +122,10 @@ def generate(
     G, N = num_generations, len(prompts) * num_generations
 
     # Prefill each distinct prompt once, then copy its keys/values to its G rows.
-    distinct = list(dict.fromkeys(tuple(p) for p in prompts))
-    which = torch.tensor([distinct.index(tuple(p)) for p in prompts for _ in range(G)], device=device)
+    distinct: dict[tuple[int, ...], int] = {}  # prompt -> its row in the prefill batch
+    for p in prompts:
+        distinct.setdefault(tuple(p), len(distinct))
+    which = torch.tensor([distinct[tuple(p)] for p in prompts for _ in range(G)], device=device)
     prompt_cache, first_logits = prefill(model, [list(p) for p in distinct])
     T = prompt_cache.k.shape[3]
     cache = KVCache.empty(model.config, N, T + max_new_tokens - 1, prompt_cache.k.dtype, device)
