@@ -15,13 +15,16 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 import transformers
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 from rlcore.model import ModelConfig, Transformer
 from rlcore.rollout import generate
 
@@ -88,6 +91,7 @@ def main() -> None:
                                min_new_tokens=max_new, num_return_sequences=args.G,
                                eos_token_id=None, pad_token_id=0)
 
+    peak = matmul_peak_gflops()
     run_rlcore(4), run_hf(4)  # warm-up: first-call overheads out of the timings
     t0 = time.perf_counter()
     out = run_rlcore(new)
@@ -98,7 +102,7 @@ def main() -> None:
     t_hf = time.perf_counter() - t0
     assert hf_out.shape == (N, args.prompt_len + new)
 
-    peak = matmul_peak_gflops()
+    peak = max(peak, matmul_peak_gflops())  # before and after: the machine may be shared
     flops = rollout_flops(cfg, args.prompts, args.G, args.prompt_len, new)
     print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, fp32 matmul peak {peak:.0f} GFLOP/s (2048^3 mm)")
