@@ -1,0 +1,298 @@
+"""Seconds per GRPO optimizer step, rlcore vs TRL's GRPOTrainer, on the same CPU and checkpoint.
+
+    flock /tmp/rlcore-bench.lock python bench/train_step.py [--trl-steps 2] [--rlcore-steps 3]
+                                                            [--side both|trl|rlcore] [--trl-grad-ckpt]
+
+Setup (issue 5, same model shape as bench/rollout.py), written into a temp dir by this script:
+  model       random Qwen2ForCausalLM, hidden 512, 8 layers, 8 heads / 2 KV heads, intermediate 1408,
+              vocab 32000, tied embeddings, fp32, saved with transformers' save_pretrained
+  tokenizer   `tokenizers` WordLevel over <pad> <eos> <unk> + "w0".."w31996" (32000 ids), whitespace
+              pre-tokenizer, no chat template, no BOS: a prompt of 64 words is exactly 64 tokens
+  data        64 prompts of 64 random words (prompts.jsonl, a "prompt" column for both sides)
+  one step    8 prompts x G=8 = 64 completions of up to 128 tokens, per_device_train_batch_size 16,
+              gradient_accumulation_steps 4 (= steps_per_generation, so one rollout per optimizer step
+              on both sides, on-policy, no old log-prob pass), beta 0, temperature 1.0, lr 1e-6,
+              dropout off
+  reward      a deterministic pseudo-random score of the completion text (nonzero advantages)
+
+A random model samples EOS with probability ~1/32000 per token, so nearly every completion runs to
+128 tokens on both sides; the mean completion length of each side is printed to show it.
+
+Each side runs in its own subprocess (same threads, nothing shared but the checkpoint dir). The
+first optimizer step of each side is warm-up and is dropped; the reported time is the mean wall
+clock of the remaining steps. TRL: between consecutive `on_step_end` callbacks, split into
+generation / scoring (TRL's `_generate_single_turn` and `_generate_and_score_completions`, timed
+by wrapping them) and update (the rest). rlcore: between the moments consecutive lines land in
+metrics.jsonl (written at the end of each step), split by the step's own time/rollout,
+time/scoring, time/old_logp and time/update. TRL steps take minutes on 2 cores, hence 2 TRL steps
+(one timed) by default.
+
+TRL runs with GRPOConfig defaults except as set in `run_trl`, and one deliberate change:
+gradient_checkpointing=False. GRPOConfig defaults it to True, which recomputes every forward in
+backward; rlcore does not checkpoint, so off is the like-for-like comparison. --trl-grad-ckpt
+measures TRL's default instead (its update is then ~1.5x slower).
+
+The load average before and after each side is printed: other work on the machine slows both.
+The last line is `train_step_speedup_vs_trl=<TRL seconds per step / rlcore seconds per step>`.
+"""
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS, PROMPT_LEN, G, MAX_NEW = 64, 64, 8, 128
+BATCH, GA = 16, 4
+SPECIALS = ["<pad>", "<eos>", "<unk>"]
+VOCAB = 32000
+
+
+# ----------------------------------------------------------------------------- setup
+
+def build_checkpoint(d: Path) -> None:
+    """Random Qwen2 checkpoint + WordLevel tokenizer in d, prompts in d/prompts.jsonl."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    vocab = {t: i for i, t in enumerate(SPECIALS)}
+    vocab.update({f"w{i}": len(SPECIALS) + i for i in range(VOCAB - len(SPECIALS))})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    tok.save_pretrained(d)
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                      intermediate_size=1408, vocab_size=VOCAB, tie_word_embeddings=True,
+                      max_position_embeddings=1024, bos_token_id=None, eos_token_id=eos, pad_token_id=pad)
+    Qwen2ForCausalLM(cfg).to(torch.float32).save_pretrained(d)
+
+    rnd = random.Random(0)
+    with open(d / "prompts.jsonl", "w") as f:
+        for _ in range(PROMPTS):
+            words = " ".join(f"w{rnd.randrange(VOCAB - len(SPECIALS))}" for _ in range(PROMPT_LEN))
+            f.write(json.dumps({"prompt": words}) + "\n")
+    ids = load_tokenizer(d)(words)["input_ids"]
+    assert len(ids) == PROMPT_LEN, f"a {PROMPT_LEN}-word prompt encoded to {len(ids)} tokens"
+
+
+def load_tokenizer(d: Path):
+    """The WordLevel tokenizer as transformers sees it. Not AutoTokenizer: with config.json saying
+    qwen2 it builds a Qwen2Tokenizer (BPE) from the vocab and every prompt encodes to zero tokens."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(d)
+
+
+def bench_reward(prompts, completions, **kwargs):
+    """Deterministic pseudo-random score in [0, 1) of each completion's text (TRL and rlcore)."""
+    return [(sum(map(ord, c)) * 2654435761 % 1000) / 1000.0 for c in completions]
+
+
+def read_prompts(d: Path) -> list[str]:
+    with open(d / "prompts.jsonl") as f:
+        return [json.loads(line)["prompt"] for line in f]
+
+
+def after_warmup(times: list[float]) -> float:
+    """Mean of the per-step times with the first (warm-up) step dropped."""
+    rest = times[1:] or times
+    return sum(rest) / len(rest)
+
+
+# ----------------------------------------------------------------------------- TRL
+
+def run_trl(d: Path, steps: int, grad_ckpt: bool) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.marks, self.logs = [], []
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.marks.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kw):
+            self.marks.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            self.logs.append(dict(logs or {}))
+
+    out = d / "trl_out"
+    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=BATCH, gradient_accumulation_steps=GA,
+                      num_generations=G, max_completion_length=MAX_NEW, beta=0.0, use_cpu=True, bf16=False,
+                      report_to="none", logging_steps=1, max_steps=steps, save_strategy="no", use_vllm=False,
+                      temperature=1.0, disable_dropout=True, learning_rate=1e-6, seed=0,
+                      gradient_checkpointing=grad_ckpt, dataloader_num_workers=0)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    tok = load_tokenizer(d)
+    data = Dataset.from_dict({"prompt": read_prompts(d)})
+    clock = StepClock()
+    trainer = GRPOTrainer(model=model, reward_funcs=bench_reward, args=args, train_dataset=data,
+                          processing_class=tok, callbacks=[clock])
+    # Phase split: generation, and generation + rewards + advantages (TRL's round), timed by wrapping
+    # the trainer's own methods; the rest of each step is the update.
+    spent = {"generate": [], "generate_and_score": []}
+
+    def timed(fn, key):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            r = fn(*a, **kw)
+            spent[key].append(time.perf_counter() - t)
+            return r
+        return wrapper
+
+    trainer._generate_single_turn = timed(trainer._generate_single_turn, "generate")
+    trainer._generate_and_score_completions = timed(trainer._generate_and_score_completions, "generate_and_score")
+    t0 = time.perf_counter()
+    result = trainer.train()
+    wall = time.perf_counter() - t0
+    per_step = [b - a for a, b in zip(clock.marks, clock.marks[1:])]
+    lens = [lg["completions/mean_length"] for lg in clock.logs if "completions/mean_length" in lg]
+    gen, round_ = spent["generate"], spent["generate_and_score"]
+    assert len(gen) == len(round_) == steps, f"expected one generation per optimizer step, got {len(gen)}"
+    phases = {"generate": after_warmup(gen), "scoring": after_warmup([r - g for r, g in zip(round_, gen)]),
+              "update": after_warmup([s - r for s, r in zip(per_step, round_)])}
+    return {"per_step": per_step, "sec_per_step": after_warmup(per_step), "wall": wall, "phases": phases,
+            "train_runtime": result.metrics.get("train_runtime"), "completion_len_mean": sum(lens) / max(len(lens), 1),
+            "gradient_checkpointing": grad_ckpt, "threads": torch.get_num_threads()}
+
+
+# ----------------------------------------------------------------------------- rlcore
+
+def run_rlcore(d: Path, steps: int) -> dict:
+    import torch
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "bench"))  # so the reward resolves as train_step:bench_reward
+    from rlcore.config import load_config
+    from rlcore.train import train
+
+    out = d / "rlcore_out"
+    cfg = load_config(None, [
+        f"model.path={d}", "model.dtype=float32", "data.task=jsonl", f"data.path={d / 'prompts.jsonl'}",
+        "data.num_eval=0", 'data.answer_column=""', "data.use_chat_template=false",
+        f"rollout.num_generations={G}", f"rollout.max_completion_length={MAX_NEW}", "rollout.temperature=1.0",
+        f"train.per_device_train_batch_size={BATCH}", f"train.gradient_accumulation_steps={GA}",
+        f"train.max_steps={steps}", f"train.output_dir={out}", "train.learning_rate=1e-6", "train.device=cpu",
+        "train.seed=0", "loss.beta=0.0", "loss.reward_funcs=[\"train_step:bench_reward\"]",
+    ])
+    metrics = out / "metrics.jsonl"
+    marks, done = [], threading.Event()
+
+    def watch():  # wall clock at which each step's metrics line lands (train() writes one per step)
+        seen = 0
+        while not done.is_set():
+            n = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+            marks.extend([time.perf_counter()] * (n - seen))
+            seen = max(seen, n)
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    t0 = time.perf_counter()
+    watcher.start()
+    train(cfg)
+    wall = time.perf_counter() - t0
+    done.set()
+    watcher.join()
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    phases = ("time/rollout", "time/scoring", "time/old_logp", "time/update")
+    assert len(marks) == len(rows) == steps, f"{len(rows)} metrics lines for {steps} steps"
+    per_step = [b - a for a, b in zip([t0] + marks, marks)]
+    per_step_phases = [sum(r[p] for p in phases) for r in rows]
+    return {"per_step": per_step, "sec_per_step": after_warmup(per_step), "wall": wall,
+            "per_step_phases": per_step_phases, "phase_sum": after_warmup(per_step_phases),
+            "completion_len_mean": sum(r["completion/len_mean"] for r in rows) / len(rows),
+            "phases": {p: after_warmup([r[p] for r in rows]) for p in phases},
+            "threads": torch.get_num_threads()}
+
+
+# ----------------------------------------------------------------------------- driver
+
+def side(name: str, d: Path, steps: int, grad_ckpt: bool, threads: int) -> dict:
+    """Run one side in a fresh interpreter; its result is the last stdout line (JSON)."""
+    cmd = [sys.executable, __file__, "--worker", name, "--dir", str(d), "--steps", str(steps),
+           "--threads", str(threads)]
+    if grad_ckpt:
+        cmd.append("--trl-grad-ckpt")
+    load = os.getloadavg()[0]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res["load"] = (load, os.getloadavg()[0])
+    return res
+
+
+def steps_text(times: list[float]) -> str:
+    return ", ".join(f"{s:.1f}" for s in times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trl-steps", type=int, default=2, help="TRL optimizer steps; the first is warm-up")
+    ap.add_argument("--rlcore-steps", type=int, default=3, help="rlcore optimizer steps; the first is warm-up")
+    ap.add_argument("--side", choices=("both", "trl", "rlcore"), default="both")
+    ap.add_argument("--trl-grad-ckpt", action="store_true",
+                    help="TRL with its default gradient_checkpointing=True (off here: rlcore does not checkpoint)")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads per side (0 = torch's default)")
+    ap.add_argument("--worker", choices=("trl", "rlcore"), help=argparse.SUPPRESS)
+    ap.add_argument("--dir", help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        import torch
+
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        d = Path(a.dir)
+        res = run_trl(d, a.steps, a.trl_grad_ckpt) if a.worker == "trl" else run_rlcore(d, a.steps)
+        print(json.dumps(res))
+        return
+
+    import torch
+    print(f"cpu: {a.threads or torch.get_num_threads()} threads, {os.cpu_count()} cores, torch {torch.__version__}; "
+          f"one step = 8 prompts x G={G}, prompt {PROMPT_LEN} + completion <= {MAX_NEW} tokens, "
+          f"micro-batch {BATCH} x GA {GA}, fp32; first step of each side dropped", flush=True)
+    res = {}
+    with tempfile.TemporaryDirectory(prefix="rlcore-bench-") as tmp:
+        d = Path(tmp)
+        build_checkpoint(d)
+        if a.side in ("both", "trl"):
+            r = res["trl"] = side("trl", d, a.trl_steps, a.trl_grad_ckpt, a.threads)
+            print(f"trl: {r['sec_per_step']:.2f} s/step (steps: {steps_text(r['per_step'])}), "
+                  f"gradient_checkpointing={r['gradient_checkpointing']}, train_runtime {r['train_runtime']:.1f} s, "
+                  f"mean completion length {r['completion_len_mean']:.1f}, "
+                  f"load average {r['load'][0]:.1f} -> {r['load'][1]:.1f}", flush=True)
+            print("trl phases (s/step): " + ", ".join(f"{p} {v:.2f}" for p, v in r["phases"].items()), flush=True)
+        if a.side in ("both", "rlcore"):
+            r = res["rlcore"] = side("rlcore", d, a.rlcore_steps, False, a.threads)
+            print(f"rlcore: {r['sec_per_step']:.2f} s/step wall clock (steps: {steps_text(r['per_step'])}; "
+                  f"the first includes model load), mean completion length {r['completion_len_mean']:.1f}, "
+                  f"load average {r['load'][0]:.1f} -> {r['load'][1]:.1f}", flush=True)
+            print(f"rlcore phases (s/step): " + ", ".join(f"{p.split('/')[1]} {v:.2f}"
+                  for p, v in r["phases"].items()) + f"; sum {r['phase_sum']:.2f} "
+                  f"(steps: {steps_text(r['per_step_phases'])})", flush=True)
+    for name, r in res.items():
+        print(f"{name}_sec_per_step={r['sec_per_step']:.3f}")
+    if len(res) == 2:
+        print(f"train_step_speedup_vs_trl={res['trl']['sec_per_step'] / res['rlcore']['sec_per_step']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
