@@ -31,6 +31,7 @@ from rlcore.data import encode_prompts, load_examples
 from rlcore.embedded import build_embedded_model
 from rlcore.losses.advantages import compute_advantages, score_completions
 from rlcore.losses.aggregate import aggregate_loss
+from rlcore.losses.metrics import rollout_mismatch
 from rlcore.losses.policy import mask_truncated, policy_loss, tis_weights
 from rlcore.rewards import get_reward_funcs
 from rlcore.rollout import generate
@@ -151,8 +152,9 @@ def latest_checkpoint(run: Path) -> Path:
 
 
 def log_line(step: int, max_steps: int, m: dict) -> str:
+    clip = f"clip {m['clip_ratio/region']:.3f}  " if "clip_ratio/region" in m else ""  # ppo only
     return (f"step {step:>4}/{max_steps}  reward {m['reward/mean']:.3f}  acc {m['reward/accuracy']:.3f}  "
-            f"kl {m['kl_old/k3']:.4f}  clip {m['clip_ratio/region']:.3f}  len {m['completion/len_mean']:.1f}  "
+            f"kl {m['kl_old/k3']:.4f}  {clip}len {m['completion/len_mean']:.1f}  "
             f"gen {m['tokens_per_s/rollout']:.0f} tok/s  time rollout {m['time/rollout']:.1f}s "
             f"score {m['time/scoring']:.2f}s update {m['time/update']:.1f}s")
 
@@ -205,7 +207,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         rng.set_state(st["rng"])
         torch.set_rng_state(st["torch_rng"])
         step, data_pos, bad_total, before = st["step"], st["data_pos"], st["nonfinite_total"], st["before"]
-        keep = [ln for ln in metrics_file.read_text().splitlines() if json.loads(ln)["step"] <= step]
+        keep = metrics_file.read_text().splitlines()[:step]  # one row per step; later rows (maybe torn) go
         metrics_file.write_text("".join(ln + "\n" for ln in keep))
         print(f"resumed from {ck} at step {step}", flush=True)
     else:
@@ -232,7 +234,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         columns = {k: [ex[k] for ex in rows] for k in rows[0] if k not in ("prompt", "prompt_ids")}
         R = score_completions(reward_funcs, [ex["prompt"] for ex in rows], texts, columns,
                               on_error=lc.reward_on_error)
-        adv, reward_stats = compute_advantages(R, G, lc.reward_weights, lc.scale_rewards)
+        adv, reward_stats = compute_advantages(R, G, lc.reward_weights, lc.scale_rewards,
+                                              reward_names=lc.reward_funcs)
         acc = accuracy_fn(prompts=[ex["prompt"] for ex in rows], completions=texts, **columns)
         t_score = time.time() - t0
 
@@ -261,6 +264,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
             if lc.tis_mode:
                 tis = tis_weights(old, samp, mask, lc.tis_mode, min=lc.tis_min, max=lc.tis_max)
         t_old = time.time() - t0
+        mismatch = {} if old is None else rollout_mismatch(old, samp, mask, tis)  # once per round
         if not off_policy:
             old = None  # on-policy: old = logp.detach() inside the loop, the ratio is exactly 1
 
@@ -289,7 +293,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                     continue
 
                 # Optimizer step. A non-finite loss or gradient skips it (and is counted).
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm or math.inf)
                 finite = math.isfinite(grad_norm.item()) and all(math.isfinite(s["loss"]) for s in step_metrics)
                 if finite:
                     opt.step()
@@ -302,6 +306,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                         raise RuntimeError(f"{bad_in_row} non-finite steps in a row (train.max_nonfinite_steps="
                                            f"{t.max_nonfinite_steps}); lower the learning rate or check rewards")
                 opt.zero_grad(set_to_none=True)
+                lr = sched.get_last_lr()[0]  # the rate this step used, before the schedule moves on
                 sched.step()
                 step += 1
 
@@ -313,18 +318,13 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                        "completion/len_mean": ro.lengths.float().mean().item(),
                        "completion/len_min": ro.lengths.min().item(), "completion/len_max": ro.lengths.max().item(),
                        "completion/truncated_frac": ro.truncated.float().mean().item(),
-                       "grad_norm": grad_norm.item(), "lr": sched.get_last_lr()[0], "skipped": not finite,
+                       "grad_norm": grad_norm.item(), "lr": lr, "skipped": not finite,
                        "nonfinite_total": bad_total,
                        "tokens_per_s/rollout": n_tok / max(t_rollout, 1e-9),
                        "time/rollout": t_rollout, "time/scoring": t_score, "time/old_logp": t_old,
                        "time/update": time.time() - t_update,
-                       "tokens_per_s/train": n_tok * (epoch + 1) / max(time.time() - t_update, 1e-9)}
-                if old is not None:
-                    valid = mask.bool()
-                    met["mismatch/abs_mean"] = (samp - old).abs()[valid].mean().item()
-                    met["mismatch/abs_max"] = (samp - old).abs()[valid].max().item()
-                    d = (samp - old)[valid]
-                    met["mismatch/k3"] = (d.exp() - d - 1).mean().item()
+                       "tokens_per_s/train": n_tok * (epoch + 1) / max(time.time() - t_update, 1e-9),
+                       **{k_: float(v) for k_, v in mismatch.items() if k_ != "tokens"}}
                 if device.type == "cuda":
                     met["memory/peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
                 with open(metrics_file, "a") as f:

@@ -1,0 +1,422 @@
+"""The training loop end to end on CPU: metrics, learning, mu > 1, resume, crash safety, errors.
+
+Every run uses a tiny embedded model built once per session by a short SFT (a few seconds) and
+small batches (16 completions = 4 prompts x 4), so each run takes well under a second per step.
+Runs start from rlcore/default.toml, as the CLI does, with the overrides in `SMALL`; their reward is
+`first_digit`, which varies within almost every group, so every step has a gradient.
+"""
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlcore.checkpoint import load_model
+from rlcore.cli import DEFAULT_CONFIG, main
+from rlcore.config import load_config
+from rlcore.data import DataError
+from rlcore.embedded import build_embedded_model
+from rlcore.tasks import unique_problems
+from rlcore.tokenizer import Tokenizer
+from rlcore.train import latest_checkpoint, train
+
+SEED, NUM_EVAL = 0, 16
+SMALL = ["train.device=cpu", f"data.seed={SEED}", f"data.num_eval={NUM_EVAL}", "data.num_train=256",
+         "rollout.num_generations=4", "train.per_device_train_batch_size=16", "train.learning_rate=1e-3",
+         "train.logging_steps=100", "train.eval_steps=0", "train.save_steps=0",
+         f"loss.reward_funcs=['{__name__}:first_digit']"]
+TIMING = ("time/", "tokens_per_s/")
+# SPEC section 6 keys the loop writes on every step of an on-policy PPO run without beta or TIS.
+SPEC_KEYS = {"reward/mean", "reward/std", f"reward/{__name__}:first_digit/mean", "frac_reward_zero_std",
+             "advantage/mean", "advantage/abs_mean", "completion/len_mean", "completion/len_min", "completion/len_max",
+             "completion/truncated_frac", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region",
+             "kl_old/k1", "kl_old/k3", "entropy", "grad_norm", "lr", "tokens_per_s/rollout",
+             "tokens_per_s/train", "time/rollout", "time/scoring", "time/old_logp", "time/update"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def embedded_dir(tmp_path_factory):
+    """The embedded model where `embedded_model_dir` looks for it ($RLCORE_CACHE), built once by a
+    120-step SFT (not 800); one torch thread throughout (the box is shared with other jobs)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cache = tmp_path_factory.mktemp("rlcore_cache")
+    pool = unique_problems("arithmetic", 10**6, SEED)[NUM_EVAL:]
+    path = build_embedded_model(cache / f"embedded-arithmetic-seed{SEED}-eval{NUM_EVAL}", pool,
+                                steps=120, batch_size=64)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RLCORE_CACHE", str(cache))
+        mp.setenv("OMP_NUM_THREADS", "1")  # for subprocesses
+        yield path
+    torch.set_num_threads(threads)
+
+
+def config(run, *overrides):
+    return load_config(DEFAULT_CONFIG, [*SMALL, f"train.output_dir={run}", *overrides])
+
+
+def cli_args(run, *overrides):
+    return ["train", *(a for o in [*SMALL, f"train.output_dir={run}", *overrides] for a in ("--set", o))]
+
+
+def rows(run) -> list[dict]:
+    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(model_dir) -> dict[str, torch.Tensor]:
+    return load_file(model_dir / "model.safetensors")
+
+
+def first_digit(prompts, completions, **columns):
+    """A reward any policy over digits can learn in a few steps, whatever the prompt, and one that
+    varies within almost every group: the first character's digit value / 9 (0 for a non-digit)."""
+    return [int(c[0]) / 9 if c[:1].isdigit() else 0.0 for c in completions]
+
+
+def explode(prompts, completions, **columns):
+    raise ValueError("this reward always fails")
+
+
+FUSSY_FAILURES = []
+
+
+def fussy(prompts, completions, **columns):
+    """`first_digit`, but raises on a completion starting with an odd digit (and records it)."""
+    odd = [c for c in completions if c[:1].isdigit() and int(c[0]) % 2]
+    if odd:
+        FUSSY_FAILURES.extend(odd)
+        raise ValueError(f"cannot score {odd[0]!r}")
+    return first_digit(prompts, completions)
+
+
+# ----------------------------------------------------------------------------- a short run
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    """Three on-policy steps with a final checkpoint."""
+    run = tmp_path_factory.mktemp("short")
+    train(config(run, "train.max_steps=3"))
+    return run
+
+
+def test_metrics_have_one_row_per_step_with_the_spec_keys(short_run):
+    run = short_run
+    got = rows(run)
+    assert [r["step"] for r in got] == [1, 2, 3]
+    for r in got:
+        assert SPEC_KEYS <= set(r), SPEC_KEYS - set(r)
+
+
+def test_every_step_has_a_finite_loss_and_grad_norm(short_run):
+    for r in rows(short_run):
+        assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and not r["skipped"]
+
+
+def test_on_policy_ratio_is_exactly_one(short_run):
+    # SPEC 1: with mu = 1 and S = GA, old = logp.detach(); no token is ever clipped.
+    for r in rows(short_run):
+        assert r["kl_old/k1"] == 0.0 and r["kl_old/k3"] == 0.0
+        assert r["clip_ratio/low"] == r["clip_ratio/high"] == r["clip_ratio/region"] == 0.0
+
+
+def test_training_changes_every_weight_and_the_checkpoint_holds_them(short_run, embedded_dir):
+    run = short_run
+    assert latest_checkpoint(run).name == "checkpoint-3"
+    before, after = weights(embedded_dir), weights(run / "checkpoint-3" / "model")
+    assert before.keys() == after.keys()
+    unchanged = [k for k in before if torch.equal(before[k], after[k])]
+    assert unchanged == []
+
+
+def test_checkpoint_loads_in_transformers_with_rlcore_logits(short_run):
+    transformers = pytest.importorskip("transformers", reason="transformers is the reference")
+    path = short_run / "checkpoint-3" / "model"
+    ids = transformers.AutoTokenizer.from_pretrained(path)(["12+34="], return_tensors="pt")["input_ids"]
+    assert ids.tolist() == [Tokenizer.from_dir(path).encode("12+34=")]  # the tokenizer travelled along
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    model = load_model(path)
+    with torch.no_grad():
+        torch.testing.assert_close(model.logits(model(ids)), hf(ids).logits, rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- learning
+
+def test_reward_rises_on_a_learnable_reward(tmp_path):
+    run = tmp_path / "run"
+    train(config(run, "train.max_steps=24", "train.learning_rate=3e-3"))
+    reward = [r["reward/mean"] for r in rows(run)]
+    first, last = sum(reward[:6]) / 6, sum(reward[-6:]) / 6
+    assert last > first + 0.2, reward  # from about 0.67 to 0.97 of the maximum, 1
+
+
+def test_second_epoch_sees_moved_ratios_and_clips(tmp_path):
+    # mu = 2: epoch 1 replays the round after one optimizer step, so pi_old != pi_theta.
+    run = tmp_path / "run"
+    train(config(run, "train.max_steps=6", "loss.num_iterations=2", "train.learning_rate=3e-2"))
+    got = rows(run)
+    assert [r["epoch"] for r in got] == [0, 1] * 3
+    second = [r for r in got if r["epoch"] == 1]
+    assert all(r["kl_old/k3"] > 1e-4 and abs(r["kl_old/k1"]) > 1e-4 for r in second), second
+    assert max(r["clip_ratio/region"] for r in second) > 0
+    first = [r for r in got if r["epoch"] == 0]  # same weights as pi_old: equal up to batching rounding
+    assert all(r["kl_old/k3"] < 1e-9 and r["clip_ratio/region"] == 0 for r in first), first
+
+
+@pytest.mark.parametrize("loss", [["loss.policy_loss=cispo", "loss.epsilon_high=5.0"], ["loss.policy_loss=sapo"]])
+def test_every_policy_loss_runs_and_logs(loss, tmp_path, capsys):
+    run = tmp_path / "run"
+    train(config(run, "train.max_steps=2", "loss.num_iterations=2", *loss))
+    assert [r["step"] for r in rows(run)] == [1, 2]
+    assert "step    1/2" in capsys.readouterr().out
+
+
+def test_max_grad_norm_zero_means_no_clipping(tmp_path, embedded_dir):
+    # 0.0 is documented as "no clipping"; clip_grad_norm_(.., 0.0) would zero every gradient.
+    for name, value in (("zero", "0.0"), ("huge", "1e9")):
+        train(config(tmp_path / name, "train.max_steps=2", f"train.max_grad_norm={value}"))
+    a, b = weights(tmp_path / "zero" / "checkpoint-2" / "model"), weights(tmp_path / "huge" / "checkpoint-2" / "model")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    before = weights(embedded_dir)
+    assert not any(torch.equal(a[k], before[k]) for k in a)
+
+
+def test_logged_lr_is_the_rate_the_step_used(tmp_path):
+    # rlcore's warmup: step s (0-based) runs at lr * (s + 1) / (warmup + 1).
+    run = tmp_path / "run"
+    train(config(run, "train.max_steps=4", "train.lr_scheduler_type=constant_with_warmup",
+                 "train.warmup_steps=2"))
+    assert [r["lr"] for r in rows(run)] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3], rel=1e-12)
+
+
+def test_mismatch_metrics_compare_engine_and_trainer_logprobs(tmp_path, monkeypatch):
+    # Shift the engine's sampling log-probs by c: then old - samp = c (+ fp32 noise) on every
+    # valid token, and the k3 estimate of KL(samp || old) is e^c - 1 - c (samples come from samp).
+    import dataclasses
+
+    import rlcore.train
+
+    c, real = 0.5, rlcore.train.generate
+
+    def generate_shifted(*args, **kwargs):
+        ro = real(*args, **kwargs)
+        return dataclasses.replace(ro, sampling_logprobs=ro.sampling_logprobs - c)
+
+    monkeypatch.setattr(rlcore.train, "generate", generate_shifted)
+    run = tmp_path / "run"
+    train(config(run, "train.max_steps=2", "loss.num_iterations=2"))
+    for r in rows(run):
+        assert r["mismatch/abs_mean"] == pytest.approx(c, abs=1e-4)
+        assert r["mismatch/k3"] == pytest.approx(math.exp(c) - 1 - c, abs=1e-4)
+
+
+# ----------------------------------------------------------------------------- resume and crashes
+
+class Killed(BaseException):
+    """Stands in for the process dying: nothing after it runs, only what is on disk survives."""
+
+
+def test_resume_after_a_crash_matches_an_uninterrupted_run(tmp_path, monkeypatch, capsys):
+    # Run B dies when it reaches the step-4 checkpoint, after writing metrics rows 3 and 4:
+    # on disk it has checkpoint-2, `latest` -> checkpoint-2, and two rows the resume must drop.
+    import rlcore.train
+
+    steps = ["train.max_steps=4", "train.save_steps=2"]
+    assert main(cli_args(tmp_path / "a", *steps)) == 0
+    real = rlcore.train.save_checkpoint
+
+    def dies_at_step_4(run, step, *args, **kwargs):
+        if step == 4:
+            raise Killed
+        return real(run, step, *args, **kwargs)
+
+    monkeypatch.setattr(rlcore.train, "save_checkpoint", dies_at_step_4)
+    with pytest.raises(Killed):
+        main(cli_args(tmp_path / "b", *steps))
+    monkeypatch.undo()
+    assert [r["step"] for r in rows(tmp_path / "b")] == [1, 2, 3, 4]
+    assert latest_checkpoint(tmp_path / "b").name == "checkpoint-2"
+
+    assert main(["train", "--resume", str(tmp_path / "b")]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    a, b = weights(tmp_path / "a" / "checkpoint-4" / "model"), weights(tmp_path / "b" / "checkpoint-4" / "model")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(TIMING)}  # noqa: E731
+    assert [strip(r) for r in rows(tmp_path / "b")] == [strip(r) for r in rows(tmp_path / "a")]
+
+
+def test_resume_drops_a_metrics_row_torn_by_the_crash(tmp_path, monkeypatch):
+    # The process dies while appending row 3 (after checkpoint-2): the file ends in half a row.
+    import rlcore.train
+
+    run, real = tmp_path / "run", rlcore.train.log_line
+
+    def torn_at_step_3(step, *args):
+        if step == 3:
+            text = (run / "metrics.jsonl").read_text()
+            (run / "metrics.jsonl").write_text(text[:len(text) - 100])
+            raise Killed
+        return real(step, *args)
+
+    monkeypatch.setattr(rlcore.train, "log_line", torn_at_step_3)
+    with pytest.raises(Killed):
+        main(cli_args(run, "train.max_steps=3", "train.save_steps=1", "train.logging_steps=1"))
+    monkeypatch.undo()
+    assert latest_checkpoint(run).name == "checkpoint-2"
+    assert main(["train", "--resume", str(run)]) == 0
+    assert [r["step"] for r in rows(run)] == [1, 2, 3]
+
+
+HARNESS = """
+import pathlib, sys, time
+import rlcore.checkpoint
+from rlcore.cli import main
+
+real, calls = rlcore.checkpoint.save_file, []
+
+def save_file_then_hang(tensors, filename, metadata=None):
+    calls.append(filename)
+    real(tensors, filename, metadata=metadata)
+    if len(calls) == 2:  # the second checkpoint: leave its weights half written and stall
+        data = pathlib.Path(filename).read_bytes()
+        pathlib.Path(filename).write_bytes(data[:len(data) // 2])
+        pathlib.Path(sys.argv[1]).touch()
+        time.sleep(600)
+
+rlcore.checkpoint.save_file = save_file_then_hang
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, capsys):
+    run, ready = tmp_path / "run", tmp_path / "ready"
+    (tmp_path / "harness.py").write_text(HARNESS)
+    args = cli_args(run, "train.max_steps=3", "train.save_steps=1")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}  # first_digit
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc = subprocess.Popen([sys.executable, str(tmp_path / "harness.py"), str(ready), *args],
+                                cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.time() + 120
+        while not ready.exists():
+            assert proc.poll() is None, (tmp_path / "stderr.txt").read_text()
+            assert time.time() < deadline, "the harness never reached the second checkpoint"
+            time.sleep(0.05)
+    finally:
+        proc.kill()  # SIGKILL
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert (run / ".checkpoint-2.tmp").is_dir()  # killed mid-write
+    assert latest_checkpoint(run).name == "checkpoint-1"
+    load_model(run / "checkpoint-1" / "model")
+
+    assert main(["train", "--resume", str(run)]) == 0
+    assert f"resumed from {run / 'checkpoint-1'} at step 1" in capsys.readouterr().out
+    assert latest_checkpoint(run).name == "checkpoint-3"
+    assert [r["step"] for r in rows(run)] == [1, 2, 3]
+    assert not (run / ".checkpoint-2.tmp").exists()
+
+
+# ----------------------------------------------------------------------------- errors
+
+@pytest.mark.parametrize("override, named", [
+    ("train.learnig_rate=1e-3", ["unknown config key train.learnig_rate", "did you mean train.learning_rate?"]),
+    ("train.max_steps=many", ["train.max_steps = 'many' has type str, expected an int"]),
+    ("train.per_device_train_batch_size=6", ["6 * 1 * 1 = 6 completions is not divisible by "
+                                             "rollout.num_generations = 8"]),
+])
+def test_cli_config_error_exits_2_naming_the_key(override, named, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--set", override]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlcore: config error:")
+    for text in named:
+        assert text in err
+    assert list(tmp_path.iterdir()) == []  # no run directory for a config that cannot run
+
+
+def aggregate_nan_on(monkeypatch, bad_steps):
+    """Make the loss of the listed 1-based optimizer steps NaN (one micro-batch per step here)."""
+    import rlcore.train
+
+    real, calls = rlcore.train.aggregate_loss, []
+
+    def aggregate(*args, **kwargs):
+        calls.append(None)
+        loss = real(*args, **kwargs)
+        return loss * math.nan if len(calls) in bad_steps else loss
+
+    monkeypatch.setattr(rlcore.train, "aggregate_loss", aggregate)
+
+
+def test_nonfinite_loss_skips_the_step_and_is_counted(tmp_path, monkeypatch):
+    import rlcore.train
+
+    snapshots, real = {}, rlcore.train.save_checkpoint
+
+    def save_and_snapshot(run, step, model, *args, **kwargs):
+        snapshots[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        return real(run, step, model, *args, **kwargs)
+
+    monkeypatch.setattr(rlcore.train, "save_checkpoint", save_and_snapshot)
+    aggregate_nan_on(monkeypatch, {2})
+    run = tmp_path / "run"
+    train(config(run, "train.max_steps=3", "train.save_steps=1"))
+    got = rows(run)
+    assert [r["skipped"] for r in got] == [False, True, False]
+    assert [r["nonfinite_total"] for r in got] == [0, 1, 1]
+    assert math.isnan(got[1]["loss"])
+    assert all(torch.equal(snapshots[1][k], snapshots[2][k]) for k in snapshots[1])  # step 2 did nothing
+    assert not all(torch.equal(snapshots[2][k], snapshots[3][k]) for k in snapshots[2])
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # no step ever ran
+def test_too_many_nonfinite_steps_in_a_row_stop_the_run(tmp_path, monkeypatch):
+    aggregate_nan_on(monkeypatch, set(range(1, 100)))
+    run = tmp_path / "run"
+    with pytest.raises(RuntimeError, match=r"2 non-finite steps in a row \(train.max_nonfinite_steps=2\)"):
+        train(config(run, "train.max_steps=5", "train.max_nonfinite_steps=2"))
+    assert [r["step"] for r in rows(run)] == [1]  # step 2 raised before its row was written
+
+
+def test_reward_function_that_raises_stops_the_run_naming_it_and_the_sample(tmp_path):
+    with pytest.raises(RuntimeError, match=r"reward function explode raised ValueError: this reward always "
+                                           r"fails on sample 0: prompt='\d+\+\d+=', completion='"):
+        train(config(tmp_path / "run", "train.max_steps=2", f"loss.reward_funcs=['{__name__}:explode']"))
+
+
+def test_reward_on_error_none_scores_failures_as_none_and_continues(tmp_path):
+    run = tmp_path / "run"
+    FUSSY_FAILURES.clear()
+    train(config(run, "train.max_steps=3", f"loss.reward_funcs=['{__name__}:fussy']", "loss.reward_on_error=none"))
+    got = rows(run)
+    assert FUSSY_FAILURES  # the function did raise
+    assert [r["step"] for r in got] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["reward/mean"]) for r in got)
+
+
+def test_bad_jsonl_row_names_the_file_and_line(tmp_path, embedded_dir):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n{"prompt": "3+3=",\n')
+    with pytest.raises(DataError, match=re.escape(f"{data}:3: not valid JSON")):
+        train(config(tmp_path / "run", "data.task=jsonl", f"data.path={data}", f"model.path={embedded_dir}",
+                     "data.num_eval=1"))
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+def test_cli_last_line_reports_held_out_accuracy_before_and_after(tmp_path, capsys):
+    assert main(cli_args(tmp_path / "run", "train.max_steps=1")) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    m = re.fullmatch(r"held-out accuracy: before=(\d\.\d{3}) after=(\d\.\d{3})", last)
+    assert m, last
+    for acc in map(float, m.groups()):  # a fraction of the NUM_EVAL held-out problems
+        assert 0 <= acc <= 1 and abs(acc * NUM_EVAL - round(acc * NUM_EVAL)) <= NUM_EVAL * 5e-4
