@@ -59,10 +59,18 @@ def main(argv: list[str] | None = None) -> int:
     from rlcore.train import train
 
     run = Path(cfg.train.output_dir)
-    run.mkdir(parents=True, exist_ok=True)
-    (run / "config.toml").write_text(dump_config(cfg))
+    if args.resume and not (run / "latest").is_file():
+        print(f"rlcore: error: --resume {run}: no checkpoint there (no `latest` file)", file=sys.stderr)
+        return 1
     t0 = time.time()
-    result = train(cfg, resume=args.resume)
+    try:
+        result = train(cfg, resume=args.resume,
+                       on_start=lambda: (run / "config.toml").write_text(dump_config(cfg)))
+    except (ValueError, TypeError, OSError) as e:
+        # Bad input (checkpoint, data, reward function output, run directory): the message
+        # names the problem and the value; a traceback would only bury it.
+        print(f"rlcore: error: {e}", file=sys.stderr)
+        return 1
     print(f"run directory: {run}  ({time.time() - t0:.0f}s)")
     print(plot_metrics(run))
     print(f"held-out accuracy: before={result['before']:.3f} after={result['after']:.3f}")

@@ -30,12 +30,19 @@ def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
 
 
 def completion_logprobs(model: Transformer, ids, attn, Lp: int, completion_ids,
-                        temperature: float = 1.0):
-    """Log-probs and entropies `[B, Tc]` of the completion tokens under `model`."""
+                        temperature: float = 1.0, bf16_autocast: bool = False):
+    """Log-probs and entropies `[B, Tc]` of the completion tokens under `model`.
+
+    With `bf16_autocast` (GPU) the transformer body runs under bf16 autocast while the
+    log-probs are computed from fp32 hidden states and the fp32 output weight.
+    """
     mask, pos = padded_causal_mask(attn.to(ids.device))
-    h = model(ids, pos, mask)
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16_autocast):
+        h = model(ids, pos, mask)
     # Hidden state at t predicts token t+1: positions Lp-1 .. Lp+Tc-2 predict the completion.
     h = h[:, Lp - 1:Lp - 1 + completion_ids.shape[1]]
+    if bf16_autocast:
+        h = h.float()
     return token_logprobs(h, model.lm_head_weight, completion_ids, temperature)
 
 

@@ -52,7 +52,8 @@ def pick_device(name: str) -> torch.device:
 
 
 def lr_lambda(cfg: Config, total_steps: int):
-    """Linear warmup, then constant or cosine decay to zero (as transformers' schedulers)."""
+    """Linear warmup ((step+1)/(warmup+1): no step is wasted at rate 0), then constant or
+    cosine decay to zero."""
     t = cfg.train
     warmup = t.warmup_steps or math.ceil(t.warmup_ratio * total_steps)
 
@@ -161,14 +162,23 @@ def log_line(step: int, max_steps: int, m: dict) -> str:
 
 # ----------------------------------------------------------------------------- the loop
 
-def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
-    """Run GRPO as configured; returns {'before': acc, 'after': acc, 'run_dir': path}."""
+def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -> dict:
+    """Run GRPO as configured; returns {'before': acc, 'after': acc, 'run_dir': path}.
+
+    `resume`: a run directory to continue from its latest checkpoint. `on_start`: called once
+    the run directory exists (the CLI writes config.toml there).
+    """
     world = 1
     validate(cfg, world_size=world)
     t, lc, rc = cfg.train, cfg.loss, cfg.rollout
     device = pick_device(t.device)
-    run = Path(t.output_dir)
+    run = Path(resume or t.output_dir)
+    if not resume and (run / "latest").exists():
+        raise FileExistsError(f"{run} already holds checkpoints; continue it with --resume {run}, "
+                              "or choose a new train.output_dir (nothing is overwritten)")
     run.mkdir(parents=True, exist_ok=True)
+    if on_start:
+        on_start()
     torch.manual_seed(t.seed)
 
     # Model, tokenizer, data.
@@ -193,18 +203,21 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
     N = b * S * world
     steps_per_round = S * mu // GA
     off_policy = mu > 1 or S > GA
+    amp = t.bf16 and device.type == "cuda"  # bf16 autocast for the training forward passes
 
     opt = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
                             eps=t.adam_epsilon, weight_decay=t.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, t.max_steps))
-    rng = torch.Generator(device=device).manual_seed(t.seed)  # sampling and shuffling
+    sampler = torch.Generator(device=device).manual_seed(rc.seed)  # rollout sampling
+    shuffler = torch.Generator(device=device).manual_seed(t.seed)   # micro-batch order
     step, data_pos, bad_in_row, bad_total = 0, 0, 0, 0
     metrics_file = run / "metrics.jsonl"
     if ck:
         st = torch.load(ck / "trainer_state.pt", weights_only=False)
         opt.load_state_dict(st["optimizer"])
         sched.load_state_dict(st["scheduler"])
-        rng.set_state(st["rng"])
+        sampler.set_state(st["sampler_rng"])
+        shuffler.set_state(st["shuffler_rng"])
         torch.set_rng_state(st["torch_rng"])
         step, data_pos, bad_total, before = st["step"], st["data_pos"], st["nonfinite_total"], st["before"]
         keep = metrics_file.read_text().splitlines()[:step]  # one row per step; later rows (maybe torn) go
@@ -224,7 +237,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         ro = generate(model, [ex["prompt_ids"] for ex in batch], G, rc.max_completion_length,
                       eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id,
                       temperature=rc.temperature, top_k=rc.top_k, top_p=rc.top_p, min_p=rc.min_p,
-                      stop_sequences=[tok.encode(s) for s in rc.stop], generator=rng)
+                      stop_sequences=[tok.encode(s) for s in rc.stop], generator=sampler)
         t_rollout = time.time() - t0
 
         # 2. Rewards and advantages, over the whole round before it is cut into micro-batches.
@@ -257,10 +270,10 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         with torch.no_grad():
             if off_policy or lc.tis_mode:
                 old = torch.cat([completion_logprobs(model, ids[i:i + b], attn[i:i + b], Lp, cids[i:i + b],
-                                                     rc.temperature)[0] for i in range(0, N, b)])
+                                                     rc.temperature, amp)[0] for i in range(0, N, b)])
             if lc.beta:
                 ref_lp = torch.cat([completion_logprobs(ref, ids[i:i + b], attn[i:i + b], Lp, cids[i:i + b],
-                                                        rc.temperature)[0] for i in range(0, N, b)])
+                                                        rc.temperature, amp)[0] for i in range(0, N, b)])
             if lc.tis_mode:
                 tis = tis_weights(old, samp, mask, lc.tis_mode, min=lc.tis_min, max=lc.tis_max)
         t_old = time.time() - t0
@@ -269,14 +282,14 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
             old = None  # on-policy: old = logp.detach() inside the loop, the ratio is exactly 1
 
         # 5. Shuffle once, cut into S micro-batches, replay mu times in the same order.
-        perm = torch.randperm(N, generator=rng, device=device)
+        perm = torch.randperm(N, generator=shuffler, device=device)
         micro = [perm[k * b:(k + 1) * b] for k in range(S)]
         t_update, step_metrics = time.time(), []
         for epoch in range(mu):
             for k, r in enumerate(micro):
                 if k % GA == 0:
                     step_tokens = sum(mask[micro[j]].sum() for j in range(k, k + GA)).item()
-                logp, entropy = completion_logprobs(model, ids[r], attn[r], Lp, cids[r], rc.temperature)
+                logp, entropy = completion_logprobs(model, ids[r], attn[r], Lp, cids[r], rc.temperature, amp)
                 l, m = policy_loss(
                     logp, logp.detach() if old is None else old[r], adv[r], mask[r],
                     loss=lc.policy_loss, importance_sampling_level=lc.importance_sampling_level,
@@ -328,7 +341,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                 if device.type == "cuda":
                     met["memory/peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
                 with open(metrics_file, "a") as f:
-                    f.write(json.dumps(met) + "\n")
+                    f.write(json.dumps({k_: None if isinstance(v, float) and not math.isfinite(v) else v
+                                        for k_, v in met.items()}) + "\n")  # strict JSON: NaN -> null
                 if step % t.logging_steps == 0 or step == 1:
                     print(log_line(step, t.max_steps, met), flush=True)
                 step_metrics = []
@@ -342,7 +356,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
             print(f"step {step}: held-out accuracy "
                   f"{evaluate(model, tok, eval_set, accuracy_fn, t.eval_max_completion_length):.3f}", flush=True)
         if (t.save_steps and step % t.save_steps < steps_per_round) or step >= t.max_steps:
-            state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng.get_state(),
+            state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "sampler_rng": sampler.get_state(),
+                     "shuffler_rng": shuffler.get_state(),
                      "torch_rng": torch.get_rng_state(), "step": step, "data_pos": data_pos,
                      "nonfinite_total": bad_total, "before": before}
             save_checkpoint(run, step, model, Path(model_dir), state)

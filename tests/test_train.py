@@ -373,7 +373,7 @@ def test_nonfinite_loss_skips_the_step_and_is_counted(tmp_path, monkeypatch):
     got = rows(run)
     assert [r["skipped"] for r in got] == [False, True, False]
     assert [r["nonfinite_total"] for r in got] == [0, 1, 1]
-    assert math.isnan(got[1]["loss"])
+    assert got[1]["loss"] is None  # NaN is written as null (strict JSON)
     assert all(torch.equal(snapshots[1][k], snapshots[2][k]) for k in snapshots[1])  # step 2 did nothing
     assert not all(torch.equal(snapshots[2][k], snapshots[3][k]) for k in snapshots[2])
 
@@ -420,3 +420,27 @@ def test_cli_last_line_reports_held_out_accuracy_before_and_after(tmp_path, caps
     assert m, last
     for acc in map(float, m.groups()):  # a fraction of the NUM_EVAL held-out problems
         assert 0 <= acc <= 1 and abs(acc * NUM_EVAL - round(acc * NUM_EVAL)) <= NUM_EVAL * 5e-4
+
+
+def test_cli_refuses_to_train_over_an_existing_run(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(cli_args(run, "train.max_steps=1")) == 0
+    before = weights(run / "checkpoint-1" / "model")
+    assert main(cli_args(run, "train.max_steps=1")) == 1
+    assert f"{run} already holds checkpoints; continue it with --resume" in capsys.readouterr().err
+    assert all(torch.equal(v, weights(run / "checkpoint-1" / "model")[k]) for k, v in before.items())
+
+
+def test_cli_resume_of_a_directory_without_checkpoints_is_an_error(tmp_path, capsys):
+    assert main(["train", "--resume", str(tmp_path / "nothing")]) == 1
+    assert "no checkpoint there" in capsys.readouterr().err
+    assert not (tmp_path / "nothing").exists()
+
+
+def test_rollout_seed_alone_changes_the_samples(tmp_path):
+    """rollout.seed drives sampling, train.seed the micro-batch order: they are separate."""
+    a, b, c = (tmp_path / n for n in "abc")
+    for run, seed in ((a, 1), (b, 1), (c, 2)):
+        train(config(run, "train.max_steps=1", f"rollout.seed={seed}", "train.seed=5"))
+    assert rows(a)[0]["reward/mean"] == rows(b)[0]["reward/mean"]
+    assert rows(a)[0]["reward/mean"] != rows(c)[0]["reward/mean"]
