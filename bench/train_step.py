@@ -30,9 +30,12 @@ time/scoring, time/old_logp and time/update. TRL steps take minutes on 2 cores, 
 TRL runs with GRPOConfig defaults except as set in `run_trl`, and one deliberate change:
 gradient_checkpointing=False. GRPOConfig defaults it to True, which recomputes every forward in
 backward; rlcore does not checkpoint, so off is the like-for-like comparison. --trl-grad-ckpt
-measures TRL's default instead (its update is then ~1.5x slower).
+measures TRL's default instead (on an idle 2-core machine: 57.8 s/step instead of 53.5).
 
-The load average before and after each side is printed: other work on the machine slows both.
+The load average before and after each side is printed. Other work on the machine slows both
+sides, decoding most (many small multi-threaded ops, each waiting at an OpenMP barrier for a
+descheduled thread): with the load at 3 on 2 cores, step times swung 74-175 s. Time on a quiet
+machine, or pass --threads 1, which is slower but steady under load (1.8x there vs 2.1x idle).
 The last line is `train_step_speedup_vs_trl=<TRL seconds per step / rlcore seconds per step>`.
 """
 
