@@ -12,7 +12,7 @@ DEFAULT_CONFIG = str(Path(__file__).with_name("default.toml"))  # the embedded d
 
 
 def plot_metrics(run_dir: Path) -> str:
-    """Write reward and accuracy per step to run_dir/curve.png; say how to get it without matplotlib."""
+    """Write reward and held-out accuracy per step to run_dir/curve.png (needs matplotlib)."""
     try:
         import matplotlib
 
@@ -21,12 +21,20 @@ def plot_metrics(run_dir: Path) -> str:
     except ImportError:
         return "no plot: matplotlib is not installed (pip install 'rlcore[plot]' to get curve.png)"
     rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["step"] for r in rows]
+    evals = [json.loads(ln) for ln in (run_dir / "eval.jsonl").read_text().splitlines()]
+    steps, reward = [r["step"] for r in rows], [r["reward/mean"] for r in rows]
+    smooth, avg = [], None
+    for r in reward:  # exponential moving average, as TensorBoard's smoothing
+        avg = r if avg is None or r is None else 0.9 * avg + 0.1 * r
+        smooth.append(avg)
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, [r["reward/mean"] for r in rows], label="reward (mean)")
-    ax.plot(steps, [r["reward/accuracy"] for r in rows], label="train accuracy (sampled)")
+    ax.plot(steps, reward, color="tab:blue", alpha=0.25, label="reward per step")
+    ax.plot(steps, smooth, color="tab:blue", label="reward (moving average)")
+    ax.plot([e["step"] for e in evals], [e["eval/accuracy"] for e in evals], "o-", color="tab:red",
+            label="held-out greedy accuracy")
     ax.set_xlabel("optimizer step")
-    ax.legend()
+    ax.set_ylim(0, 1)
+    ax.legend(loc="lower right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(run_dir / "curve.png", dpi=120)

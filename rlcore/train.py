@@ -109,6 +109,13 @@ def evaluate(model, tok: Tokenizer, examples: list[dict], accuracy_fn, max_new_t
     return correct / max(1, len(examples))
 
 
+def record_eval(run: Path, step: int, accuracy: float) -> None:
+    """Append held-out accuracy at `step` to run/eval.jsonl (step 0 = before training)."""
+    with open(run / "eval.jsonl", "a") as f:
+        f.write(json.dumps({"step": step, "eval/accuracy": accuracy}) + "\n")
+    print(f"step {step}: held-out accuracy {accuracy:.3f}", flush=True)
+
+
 def decode_completions(tok: Tokenizer, ro) -> list[str]:
     """Text of each completion, for the reward functions only (training uses the token ids)."""
     return [tok.decode(ids[:n].tolist(), skip_special_tokens=True)
@@ -222,11 +229,14 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
         step, data_pos, bad_total, before = st["step"], st["data_pos"], st["nonfinite_total"], st["before"]
         keep = metrics_file.read_text().splitlines()[:step]  # one row per step; later rows (maybe torn) go
         metrics_file.write_text("".join(ln + "\n" for ln in keep))
+        evals = [ln for ln in (run / "eval.jsonl").read_text().splitlines() if json.loads(ln)["step"] <= step]
+        (run / "eval.jsonl").write_text("".join(ln + "\n" for ln in evals))
         print(f"resumed from {ck} at step {step}", flush=True)
     else:
         metrics_file.write_text("")
+        (run / "eval.jsonl").write_text("")
         before = evaluate(model, tok, eval_set, accuracy_fn, t.eval_max_completion_length)
-        print(f"held-out accuracy before training: {before:.3f}", flush=True)
+        record_eval(run, 0, before)
 
     while step < t.max_steps:
         # 1. Rollout: G samples per prompt, token ids in and out.
@@ -353,8 +363,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
 
         # Eval and checkpoint at round boundaries (a checkpoint never holds half a round).
         if t.eval_steps and step % t.eval_steps < steps_per_round and step < t.max_steps:
-            print(f"step {step}: held-out accuracy "
-                  f"{evaluate(model, tok, eval_set, accuracy_fn, t.eval_max_completion_length):.3f}", flush=True)
+            record_eval(run, step, evaluate(model, tok, eval_set, accuracy_fn, t.eval_max_completion_length))
         if (t.save_steps and step % t.save_steps < steps_per_round) or step >= t.max_steps:
             state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "sampler_rng": sampler.get_state(),
                      "shuffler_rng": shuffler.get_state(),
@@ -363,4 +372,5 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
             save_checkpoint(run, step, model, Path(model_dir), state)
 
     after = evaluate(model, tok, eval_set, accuracy_fn, t.eval_max_completion_length)
+    record_eval(run, step, after)
     return {"before": before, "after": after, "run_dir": str(run)}
