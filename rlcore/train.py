@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import shutil
 import time
 from pathlib import Path
@@ -350,6 +351,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                        **{k_: float(v) for k_, v in mismatch.items() if k_ != "tokens"}}
                 if device.type == "cuda":
                     met["memory/peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+                else:  # peak resident set size of this process (Linux reports KiB)
+                    met["memory/peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
                 with open(metrics_file, "a") as f:
                     f.write(json.dumps({k_: None if isinstance(v, float) and not math.isfinite(v) else v
                                         for k_, v in met.items()}) + "\n")  # strict JSON: NaN -> null
