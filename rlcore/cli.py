@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config or DEFAULT_CONFIG, args.overrides)
         if args.resume:
             cfg.train.output_dir = args.resume
+        else:  # a fresh run directory per invocation when the config asks for one
+            cfg.train.output_dir = cfg.train.output_dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S"))
     except ConfigError as e:
         print(f"rlcore: config error: {e}", file=sys.stderr)
         return 2

@@ -168,7 +168,7 @@ class TrainArgs:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """where to run; auto = cuda when available"""
     output_dir: str = "runs/rlcore"
-    """directory for metrics, checkpoints and the resolved config"""
+    """directory for metrics, checkpoints and the resolved config; "{time}" becomes the start time"""
     logging_steps: int = 1
     """print and record metrics every this many optimizer steps"""
     eval_steps: int = 0

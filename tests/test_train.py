@@ -444,3 +444,11 @@ def test_rollout_seed_alone_changes_the_samples(tmp_path):
         train(config(run, "train.max_steps=1", f"rollout.seed={seed}", "train.seed=5"))
     assert rows(a)[0]["reward/mean"] == rows(b)[0]["reward/mean"]
     assert rows(a)[0]["reward/mean"] != rows(c)[0]["reward/mean"]
+
+
+def test_cli_time_placeholder_gives_each_run_its_own_directory(tmp_path):
+    args = ["train", *(a for o in [*SMALL, "train.max_steps=1", f"train.output_dir={tmp_path}/r-{{time}}"]
+                       for a in ("--set", o))]
+    assert main(args) == 0
+    (run,) = tmp_path.iterdir()
+    assert re.fullmatch(r"r-\d{8}-\d{6}", run.name) and (run / "latest").is_file()
