@@ -34,13 +34,13 @@ SMALL = ["train.device=cpu", f"data.seed={SEED}", f"data.num_eval={NUM_EVAL}", "
          "rollout.num_generations=4", "train.per_device_train_batch_size=16", "train.learning_rate=1e-3",
          "train.logging_steps=100", "train.eval_steps=0", "train.save_steps=0",
          f"loss.reward_funcs=['{__name__}:first_digit']"]
-TIMING = ("time/", "tokens_per_s/")
+TIMING = ("time/", "tokens_per_s/", "memory/")  # measurements of the process, not of the run
 # SPEC section 6 keys the loop writes on every step of an on-policy PPO run without beta or TIS.
 SPEC_KEYS = {"reward/mean", "reward/std", f"reward/{__name__}:first_digit/mean", "frac_reward_zero_std",
              "advantage/mean", "advantage/abs_mean", "completion/len_mean", "completion/len_min", "completion/len_max",
              "completion/truncated_frac", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region",
              "kl_old/k1", "kl_old/k3", "entropy", "grad_norm", "lr", "tokens_per_s/rollout",
-             "tokens_per_s/train", "time/rollout", "time/scoring", "time/old_logp", "time/update"}
+             "tokens_per_s/train", "time/rollout", "time/scoring", "time/old_logp", "time/update", "memory/peak_rss_gb"}
 
 
 @pytest.fixture(scope="module", autouse=True)
