@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -56,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.resume and not args.config and (Path(args.resume) / "config.toml").is_file():
             args.config = str(Path(args.resume) / "config.toml")
-        cfg = load_config(args.config or DEFAULT_CONFIG, args.overrides)
+        cfg = load_config(args.config or DEFAULT_CONFIG, args.overrides,
+                          world_size=int(os.environ.get("WORLD_SIZE", "1")))  # set by torchrun
         if args.resume:
             cfg.train.output_dir = args.resume
         else:  # a fresh run directory per invocation when the config asks for one
@@ -81,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         # names the problem and the value; a traceback would only bury it.
         print(f"rlcore: error: {e}", file=sys.stderr)
         return 1
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports
+        return 0
     print(f"run directory: {run}  ({time.time() - t0:.0f}s)")
     print(plot_metrics(run))
     print(f"held-out accuracy: before={result['before']:.3f} after={result['after']:.3f}")

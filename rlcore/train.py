@@ -28,6 +28,7 @@ import torch
 
 from rlcore.checkpoint import load_model, save_model
 from rlcore.config import Config, validate
+from rlcore import distributed
 from rlcore.data import encode_prompts, load_examples
 from rlcore.embedded import build_embedded_model
 from rlcore.losses.advantages import compute_advantages, score_completions
@@ -176,17 +177,18 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
     `resume`: a run directory to continue from its latest checkpoint. `on_start`: called once
     the run directory exists (the CLI writes config.toml there).
     """
-    world = 1
-    validate(cfg, world_size=world)
     t, lc, rc = cfg.train, cfg.loss, cfg.rollout
-    device = pick_device(t.device)
+    rank, world, device = distributed.init(pick_device(t.device))  # (0, 1, device) without torchrun
+    main = rank == 0  # rank 0 alone prints and writes files
+    validate(cfg, world_size=world)
     run = Path(resume or t.output_dir)
     if not resume and (run / "latest").exists():
         raise FileExistsError(f"{run} already holds checkpoints; continue it with --resume {run}, "
                               "or choose a new train.output_dir (nothing is overwritten)")
-    run.mkdir(parents=True, exist_ok=True)
-    if on_start:
-        on_start()
+    if main:
+        run.mkdir(parents=True, exist_ok=True)
+        if on_start:
+            on_start()
     torch.manual_seed(t.seed)
 
     # Model, tokenizer, data.
@@ -208,7 +210,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
     # Batch geometry (SPEC 1): one round = b*S*P completions = that / G prompts x G samples.
     G, b, GA, mu = rc.num_generations, t.per_device_train_batch_size, t.gradient_accumulation_steps, lc.num_iterations
     S = t.steps_per_generation or GA
-    N = b * S * world
+    N = b * S * world  # completions per round, all ranks; this rank owns rows [rank*b*S, (rank+1)*b*S)
+    mine = slice(rank * b * S, (rank + 1) * b * S)
     steps_per_round = S * mu // GA
     off_policy = mu > 1 or S > GA
     amp = t.bf16 and device.type == "cuda"  # bf16 autocast for the training forward passes
@@ -216,7 +219,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
     opt = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
                             eps=t.adam_epsilon, weight_decay=t.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, t.max_steps))
-    sampler = torch.Generator(device=device).manual_seed(rc.seed)  # rollout sampling
+    sampler = torch.Generator(device=device).manual_seed(rc.seed + rank)  # rollout sampling
     shuffler = torch.Generator(device=device).manual_seed(t.seed)   # micro-batch order
     step, data_pos, bad_in_row, bad_total = 0, 0, 0, 0
     metrics_file = run / "metrics.jsonl"
@@ -224,43 +227,50 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
         st = torch.load(ck / "trainer_state.pt", weights_only=False)
         opt.load_state_dict(st["optimizer"])
         sched.load_state_dict(st["scheduler"])
-        sampler.set_state(st["sampler_rng"])
+        if len(st["sampler_rng"]) != world:
+            raise ValueError(f"{ck} was saved by {len(st['sampler_rng'])} ranks; resume it with as many")
+        sampler.set_state(st["sampler_rng"][rank])
         shuffler.set_state(st["shuffler_rng"])
         torch.set_rng_state(st["torch_rng"])
         step, data_pos, bad_total, before = st["step"], st["data_pos"], st["nonfinite_total"], st["before"]
-        keep = metrics_file.read_text().splitlines()[:step]  # one row per step; later rows (maybe torn) go
-        metrics_file.write_text("".join(ln + "\n" for ln in keep))
-        evals = [ln for ln in (run / "eval.jsonl").read_text().splitlines() if json.loads(ln)["step"] <= step]
-        (run / "eval.jsonl").write_text("".join(ln + "\n" for ln in evals))
-        print(f"resumed from {ck} at step {step}", flush=True)
+        if main:
+            keep = metrics_file.read_text().splitlines()[:step]  # one row per step; later (torn) rows go
+            metrics_file.write_text("".join(ln + "\n" for ln in keep))
+            evals = [ln for ln in (run / "eval.jsonl").read_text().splitlines() if json.loads(ln)["step"] <= step]
+            (run / "eval.jsonl").write_text("".join(ln + "\n" for ln in evals))
+            print(f"resumed from {ck} at step {step}", flush=True)
     else:
-        metrics_file.write_text("")
-        (run / "eval.jsonl").write_text("")
         before = evaluate(model, tok, eval_set, accuracy_fn, t.eval_max_completion_length)
-        record_eval(run, 0, before)
+        if main:
+            metrics_file.write_text("")
+            (run / "eval.jsonl").write_text("")
+            record_eval(run, 0, before)
 
     while step < t.max_steps:
-        # 1. Rollout: G samples per prompt, token ids in and out.
+        # 1. Rollout: G samples per prompt, token ids in and out. Every rank draws the same
+        # round of prompts and samples the rows it owns (a group may straddle two ranks).
         t0 = time.time()
         batch = next_prompts(train_set, data_pos, N // G, t.seed)
         data_pos += N // G
+        rows = [ex for ex in batch for _ in range(G)][mine]
         model.eval()
-        ro = generate(model, [ex["prompt_ids"] for ex in batch], G, rc.max_completion_length,
+        ro = generate(model, [ex["prompt_ids"] for ex in rows], 1, rc.max_completion_length,
                       eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id,
                       temperature=rc.temperature, top_k=rc.top_k, top_p=rc.top_p, min_p=rc.min_p,
                       stop_sequences=[tok.encode(s) for s in rc.stop], generator=sampler)
         t_rollout = time.time() - t0
 
-        # 2. Rewards and advantages, over the whole round before it is cut into micro-batches.
+        # 2. Rewards and advantages, over the whole round (all ranks) before it is cut up.
         t0 = time.time()
-        rows = [ex for ex in batch for _ in range(G)]
         texts = decode_completions(tok, ro)
         columns = {k: [ex[k] for ex in rows] for k in rows[0] if k not in ("prompt", "prompt_ids")}
         R = score_completions(reward_funcs, [ex["prompt"] for ex in rows], texts, columns,
                               on_error=lc.reward_on_error)
-        adv, reward_stats = compute_advantages(R, G, lc.reward_weights, lc.scale_rewards,
-                                              reward_names=lc.reward_funcs)
+        adv, reward_stats = compute_advantages(distributed.gather_rows(R.to(device), world), G, lc.reward_weights,
+                                              lc.scale_rewards, reward_names=lc.reward_funcs)
+        adv = adv[mine]
         acc = accuracy_fn(prompts=[ex["prompt"] for ex in rows], completions=texts, **columns)
+        acc = distributed.gather_rows(torch.tensor([a or 0.0 for a in acc], device=device), world)
         t_score = time.time() - t0
 
         # 3. Training tensors: prompt (left-padded) + completion (right-padded).
@@ -268,6 +278,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
         ids, attn, cids, mask, Lp = pack(ro.prompt_ids, [c[:n].tolist() for c, n in zip(ro.completion_ids, ro.lengths)],
                                          tok.pad_token_id)
         ids, attn, cids, mask = ids.to(device), attn.to(device), cids.to(device), mask.to(device)
+        n = b * S  # this rank's rows
         samp = ro.full_logprobs if ro.full_logprobs is not None else ro.sampling_logprobs
         samp = samp[:, :cids.shape[1]].to(device)
         truncated = ro.truncated.to(device)
@@ -281,10 +292,10 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
         with torch.no_grad():
             if off_policy or lc.tis_mode:
                 old = torch.cat([completion_logprobs(model, ids[i:i + b], attn[i:i + b], Lp, cids[i:i + b],
-                                                     rc.temperature, amp)[0] for i in range(0, N, b)])
+                                                     rc.temperature, amp)[0] for i in range(0, n, b)])
             if lc.beta:
                 ref_lp = torch.cat([completion_logprobs(ref, ids[i:i + b], attn[i:i + b], Lp, cids[i:i + b],
-                                                        rc.temperature, amp)[0] for i in range(0, N, b)])
+                                                        rc.temperature, amp)[0] for i in range(0, n, b)])
             if lc.tis_mode:
                 tis = tis_weights(old, samp, mask, lc.tis_mode, min=lc.tis_min, max=lc.tis_max)
         t_old = time.time() - t0
@@ -293,13 +304,14 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
             old = None  # on-policy: old = logp.detach() inside the loop, the ratio is exactly 1
 
         # 5. Shuffle once, cut into S micro-batches, replay mu times in the same order.
-        perm = torch.randperm(N, generator=shuffler, device=device)
+        perm = torch.randperm(n, generator=shuffler, device=device)
         micro = [perm[k * b:(k + 1) * b] for k in range(S)]
         t_update, step_metrics = time.time(), []
         for epoch in range(mu):
             for k, r in enumerate(micro):
                 if k % GA == 0:
-                    step_tokens = sum(mask[micro[j]].sum() for j in range(k, k + GA)).item()
+                    step_tokens = distributed.sum_over_ranks(
+                        sum(mask[micro[j]].sum() for j in range(k, k + GA)).item(), world, device)
                 logp, entropy = completion_logprobs(model, ids[r], attn[r], Lp, cids[r], rc.temperature, amp)
                 l, m = policy_loss(
                     logp, logp.detach() if old is None else old[r], adv[r], mask[r],
@@ -316,9 +328,11 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                 if (k + 1) % GA:
                     continue
 
-                # Optimizer step. A non-finite loss or gradient skips it (and is counted).
+                # Optimizer step. A non-finite loss or gradient skips it (and is counted). The
+                # averaged gradient is the same on every rank, so every rank decides the same.
+                distributed.average_gradients(model, world)
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm or math.inf)
-                finite = math.isfinite(grad_norm.item()) and all(math.isfinite(s["loss"]) for s in step_metrics)
+                finite = math.isfinite(grad_norm.item())
                 if finite:
                     opt.step()
                     bad_in_row = 0
@@ -338,7 +352,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                 n_tok = ro.lengths.sum().item()
                 met = {"step": step, "epoch": epoch, **reward_stats,
                        **{k_: sum(s[k_] for s in step_metrics) / len(step_metrics) for k_ in step_metrics[0]},
-                       "reward/accuracy": sum(a or 0.0 for a in acc) / len(acc),
+                       "reward/accuracy": acc.mean().item(),
                        "completion/len_mean": ro.lengths.float().mean().item(),
                        "completion/len_min": ro.lengths.min().item(), "completion/len_max": ro.lengths.max().item(),
                        "completion/truncated_frac": ro.truncated.float().mean().item(),
@@ -353,10 +367,11 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                     met["memory/peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
                 else:  # peak resident set size of this process (Linux reports KiB)
                     met["memory/peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-                with open(metrics_file, "a") as f:
-                    f.write(json.dumps({k_: None if isinstance(v, float) and not math.isfinite(v) else v
-                                        for k_, v in met.items()}) + "\n")  # strict JSON: NaN -> null
-                if step % t.logging_steps == 0 or step == 1:
+                if main:
+                    with open(metrics_file, "a") as f:
+                        f.write(json.dumps({k_: None if isinstance(v, float) and not math.isfinite(v) else v
+                                            for k_, v in met.items()}) + "\n")  # strict JSON: NaN -> null
+                if main and (step % t.logging_steps == 0 or step == 1):
                     print(log_line(step, t.max_steps, met), flush=True)
                 step_metrics = []
                 if step >= t.max_steps:
@@ -365,15 +380,18 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                 break
 
         # Eval and checkpoint at round boundaries (a checkpoint never holds half a round).
-        if t.eval_steps and step % t.eval_steps < steps_per_round and step < t.max_steps:
+        if main and t.eval_steps and step % t.eval_steps < steps_per_round and step < t.max_steps:
             record_eval(run, step, evaluate(model, tok, eval_set, accuracy_fn, t.eval_max_completion_length))
         if (t.save_steps and step % t.save_steps < steps_per_round) or step >= t.max_steps:
-            state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "sampler_rng": sampler.get_state(),
-                     "shuffler_rng": shuffler.get_state(),
-                     "torch_rng": torch.get_rng_state(), "step": step, "data_pos": data_pos,
-                     "nonfinite_total": bad_total, "before": before}
-            save_checkpoint(run, step, model, Path(model_dir), state)
+            distributed.check_replicas_agree(model, world)
+            samplers = distributed.gather_objects(sampler.get_state(), world)
+            if main:
+                state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "sampler_rng": samplers,
+                         "shuffler_rng": shuffler.get_state(), "torch_rng": torch.get_rng_state(), "step": step,
+                         "data_pos": data_pos, "nonfinite_total": bad_total, "before": before}
+                save_checkpoint(run, step, model, Path(model_dir), state)
 
     after = evaluate(model, tok, eval_set, accuracy_fn, t.eval_max_completion_length)
-    record_eval(run, step, after)
+    if main:
+        record_eval(run, step, after)
     return {"before": before, "after": after, "run_dir": str(run)}

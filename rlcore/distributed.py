@@ -1,0 +1,74 @@
+"""Data parallelism over P ranks, the plain way: every rank holds the whole model, generates and
+trains on its own slice of each round, and gradients are averaged with one all-reduce per
+parameter before each optimizer step (what DDP does, without its bucketing and overlap).
+
+Launch with `torchrun --nproc_per_node=P -m rlcore.cli train ...`; without torchrun every
+function here is a no-op for a single rank. gloo on CPU, NCCL on GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init(device: torch.device) -> tuple[int, int, torch.device]:
+    """(rank, world size, this rank's device); starts the process group under torchrun."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, 1, device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def gather_rows(x: torch.Tensor, world: int) -> torch.Tensor:
+    """Concatenate equal-shaped `[n, ...]` tensors of all ranks in rank order: `[world * n, ...]`."""
+    if world == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
+
+
+def sum_over_ranks(x: float, world: int, device: torch.device) -> float:
+    """Sum of a number over ranks (the active tokens of an optimizer step, for dapo)."""
+    if world == 1:
+        return x
+    t = torch.tensor(float(x), dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def average_gradients(model: torch.nn.Module, world: int) -> None:
+    """Replace each gradient by its mean over ranks: one all-reduce per parameter."""
+    if world == 1:
+        return
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= world
+
+
+def check_replicas_agree(model: torch.nn.Module, world: int) -> None:
+    """Raise if the ranks' weights have drifted apart (a checksum per rank, compared)."""
+    if world == 1:
+        return
+    total = sum(p.detach().double().sum() for p in model.parameters()).reshape(1)
+    sums = gather_rows(total, world)
+    if not torch.all(sums == sums[0]):
+        raise RuntimeError(f"data-parallel replicas disagree (weight checksums {sums.tolist()}); "
+                           "every rank must apply the same averaged gradients")
+
+
+def gather_objects(obj, world: int) -> list:
+    """`[obj of rank 0, obj of rank 1, ...]` on every rank."""
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
