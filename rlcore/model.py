@@ -14,7 +14,8 @@ checkpoint's state dict loads with no renaming and saves back the same way.
 The forward pass returns final hidden states `[B, T, H]`; logits are a separate matmul
 (`model.logits(h)`) because the loss computes log-probs from `h` and `lm_head_weight` in chunks
 and never materialises `[B, T, V]`. Attention takes explicit positions, an optional boolean mask
-and an optional static KV cache, which is all the rollout engine needs.
+and an optional static KV cache, which is all the rollout engine needs. Training can share a
+prompt's forward pass across its G completions with `PrefixKV` (see `completion_logprobs`).
 """
 
 from __future__ import annotations
@@ -173,6 +174,36 @@ class KVCache:
                    torch.zeros(shape, dtype=dtype, device=device))
 
 
+@dataclass
+class PrefixKV:
+    """Keys/values `[P, H_kv, Lp, D]` of P shared prefixes (prompts), one per layer, with grad.
+
+    A forward pass over the prefixes with `prefix=PrefixKV()` appends each layer's keys and
+    values; a second pass over continuations with `prefix=` that object and `prefix_rows` `[B]`
+    (the prefix each row continues) attends over `prefix.k[layer][prefix_rows]` followed by its
+    own tokens. Gradients flow back into the prefix pass, summed over the rows sharing it, so
+    the result equals running each row's full sequence, at the cost of one prefix pass.
+    """
+
+    k: list[torch.Tensor] = field(default_factory=list)
+    v: list[torch.Tensor] = field(default_factory=list)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v for one query per row: q `[B, H, 1, D]`, k/v `[B, H_kv, S, D]`,
+    mask `[B, 1, 1, S]` (True = attend). Returns `[B, H, 1, D]`.
+
+    Each KV head's H/H_kv query heads form one `[H/H_kv, D] x [D, S]` product, so GQA needs no
+    repeated keys. Used for CPU decoding, where SDPA's fixed cost per call (~1 ms at B = 64,
+    S ~ 150) exceeds the work itself.
+    """
+    B, H, _, D = q.shape
+    n_kv = k.shape[1]
+    scores = q.reshape(B, n_kv, H // n_kv, D) @ k.transpose(-1, -2)
+    scores = scores.mul_(D ** -0.5).masked_fill_(~mask, float("-inf"))
+    return (scores.softmax(-1) @ v).reshape(B, H, 1, D)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -187,7 +218,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int, slots: torch.Tensor | None):
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int, slots: torch.Tensor | None,
+                prefix: PrefixKV | None = None, prefix_rows: torch.Tensor | None = None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
@@ -203,9 +235,18 @@ class Attention(nn.Module):
             cache.k[layer].scatter_(2, idx, k.to(cache.k.dtype))
             cache.v[layer].scatter_(2, idx, v.to(cache.v.dtype))
             k, v = cache.k[layer], cache.v[layer]
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads
-        )
+        if prefix is not None and prefix_rows is None:  # a prefix pass: keep this layer's k, v
+            prefix.k.append(k)
+            prefix.v.append(v)
+        elif prefix is not None:  # a continuation: the prefix's keys/values come first
+            k = torch.cat((prefix.k[layer].index_select(0, prefix_rows), k), dim=2)
+            v = torch.cat((prefix.v[layer].index_select(0, prefix_rows), v), dim=2)
+        if cache is not None and T == 1 and x.device.type == "cpu":
+            y = decode_attention(q, k, v, mask)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads
+            )
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -229,8 +270,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, cache, layer, slots):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, slots)
+    def forward(self, x, cos, sin, mask, cache, layer, slots, prefix, prefix_rows):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, slots, prefix, prefix_rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -267,6 +308,8 @@ class Transformer(nn.Module):
         mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
         slots: torch.Tensor | None = None,
+        prefix: PrefixKV | None = None,
+        prefix_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final hidden states `[B, T, H]` (after the last norm), no logits.
 
@@ -275,6 +318,9 @@ class Transformer(nn.Module):
         T tokens; S = T without a cache, S = cache length with one);
         cache/slots: write keys/values of the T tokens at cache slots `[B, T]` (default =
         positions) and attend over the whole cache, which then requires `mask`.
+        prefix: without `prefix_rows`, record every layer's keys/values into it; with
+        `prefix_rows` `[B]`, attend over prefix `prefix_rows[b]` before the T tokens, which then
+        requires `mask` `[B, 1, T, Lp + T]` and positions that continue the prefix's.
         """
         B, T = input_ids.shape
         if positions is None:
@@ -284,10 +330,12 @@ class Transformer(nn.Module):
                 raise ValueError("a KV cache needs an explicit attention mask over its slots")
             if slots is None:
                 slots = positions
+        if prefix_rows is not None and mask is None:
+            raise ValueError("attending over a prefix needs an explicit attention mask over prefix + tokens")
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, mask, cache, i, slots)
+            x = layer(x, cos, sin, mask, cache, i, slots, prefix, prefix_rows)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import time
 import torch
 
 from rlcore.losses.logprobs import token_logprobs
-from rlcore.model import Transformer, padded_causal_mask
+from rlcore.model import PrefixKV, Transformer, padded_causal_mask
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
@@ -33,17 +33,39 @@ def completion_logprobs(model: Transformer, ids, attn, Lp: int, completion_ids,
                         temperature: float = 1.0, bf16_autocast: bool = False):
     """Log-probs and entropies `[B, Tc]` of the completion tokens under `model`.
 
+    ids/attn `[B, Lp + Tc]` as `pack` builds them. Rows with the same prompt (GRPO's G samples)
+    share one forward pass over it; see `completion_hidden`.
     With `bf16_autocast` (GPU) the transformer body runs under bf16 autocast while the
     log-probs are computed from fp32 hidden states and the fp32 output weight.
     """
-    mask, pos = padded_causal_mask(attn.to(ids.device))
     with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16_autocast):
-        h = model(ids, pos, mask)
-    # Hidden state at t predicts token t+1: positions Lp-1 .. Lp+Tc-2 predict the completion.
-    h = h[:, Lp - 1:Lp - 1 + completion_ids.shape[1]]
+        h = completion_hidden(model, ids, attn.to(ids.device), Lp)
     if bf16_autocast:
         h = h.float()
     return token_logprobs(h, model.lm_head_weight, completion_ids, temperature)
+
+
+def completion_hidden(model: Transformer, ids, attn, Lp: int):
+    """Final hidden states `[B, Tc, H]` at the positions that predict the completion tokens.
+
+    The hidden state at t predicts token t+1, so positions Lp-1 .. Lp+Tc-2 predict the
+    completion. When rows repeat a prompt, each distinct prompt runs once (a `PrefixKV` pass)
+    and the completions attend to its keys/values: the same numbers as the full `[B, Lp + Tc]`
+    pass (gradients into the prompt are summed over its rows) with P/B of the prompt's FLOPs
+    instead of all of them; for 16 rows of 64 + 128 tokens from 2 prompts, 29% fewer in the body.
+    """
+    Tc = ids.shape[1] - Lp
+    mask, pos = padded_causal_mask(attn)
+    prompts = ids[:, :Lp].masked_fill(attn[:, :Lp] == 0, -1)  # -1 marks padding: no collision with an id
+    distinct, rows = torch.unique(prompts, dim=0, return_inverse=True)
+    if Lp == 0 or len(distinct) == len(ids):  # nothing to share
+        return model(ids, pos, mask)[:, Lp - 1:Lp - 1 + Tc]
+    # Distinct prompts keep their rows' left padding, so mask columns 0..Lp-1 line up with them.
+    prefix = PrefixKV()
+    p_mask, p_pos = padded_causal_mask((distinct >= 0).long())
+    h_prompt = model(distinct.clamp(min=0), p_pos, p_mask, prefix=prefix)
+    h_completion = model(ids[:, Lp:], pos[:, Lp:], mask[:, :, Lp:], prefix=prefix, prefix_rows=rows)
+    return torch.cat((h_prompt[rows, -1:], h_completion[:, :Tc - 1]), dim=1)
 
 
 def sft(model: Transformer, prompts: list[list[int]], completions: list[list[int]], *,

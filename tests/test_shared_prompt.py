@@ -1,0 +1,98 @@
+"""Rows that repeat a prompt share one forward pass over it (`completion_hidden`, `PrefixKV`).
+
+The oracle is each row run on its own, unpadded: its log-probs from transformers, its gradients
+from rlcore's plain forward pass. Sharing must change neither.
+"""
+
+import pytest
+import torch
+
+from conftest import make_hf_model
+from rlcore.checkpoint import load_model
+from rlcore.model import PrefixKV, padded_causal_mask
+from rlcore.sft import completion_hidden, completion_logprobs, pack
+
+# Three prompts of different lengths, repeated unevenly, with ragged completions.
+LENGTHS_P, LENGTHS_C = (5, 9, 3), (4, 7, 1, 7, 2, 6)
+WHICH = (0, 1, 0, 2, 1, 0)
+
+
+def batch(seed=0, vocab=128):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in LENGTHS_P]
+    completions = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in LENGTHS_C]
+    return [prompts[i] for i in WHICH], completions
+
+
+def per_row_logprobs(forward, prompts, completions):
+    """[B, Tc] log-probs, each row through `forward(ids [1, T]) -> logits` alone, zero-padded."""
+    Tc = max(map(len, completions))
+    out = torch.zeros(len(prompts), Tc, dtype=torch.float64)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        logits = forward(torch.tensor([p + c]))[0, len(p) - 1:len(p) - 1 + len(c)].double()
+        out[i, :len(c)] = logits.log_softmax(-1).gather(1, torch.tensor(c)[:, None])[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2_tied", "qwen3"])
+def test_shared_prompt_logprobs_match_transformers_per_row(family, hf_checkpoint):
+    path, hf = hf_checkpoint(family)
+    model = load_model(path)
+    prompts, completions = batch()
+    ids, attn, cids, cmask, Lp = pack(prompts, completions, pad_id=0)
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, ids, attn, Lp, cids)
+        ref = per_row_logprobs(lambda x: hf(input_ids=x).logits, prompts, completions)
+    assert ((logp.double() - ref) * cmask).abs().max().item() <= 1e-4
+    assert torch.isfinite(logp).all()  # padding positions too: they are masked, never NaN
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_shared_prompt_gradients_match_per_row_passes_fp64(family):
+    model_hf = make_hf_model(family)
+    from rlcore.model import ModelConfig, Transformer
+    model = Transformer(ModelConfig.from_hf(model_hf.config.to_dict()))
+    model.load_state_dict(model_hf.state_dict(), strict=False)
+    model.double()
+    prompts, completions = batch(seed=1)
+    ids, attn, cids, cmask, Lp = pack(prompts, completions, pad_id=0)
+    weights = torch.randn(cids.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * cmask
+
+    def grads(logp):
+        return torch.autograd.grad((logp * weights).sum(), list(model.parameters()))
+
+    shared = grads(completion_logprobs(model, ids, attn, Lp, cids)[0])
+    per_row = grads(per_row_logprobs(lambda x: model.logits(model(x)), prompts, completions))
+    for (name, _), a, b in zip(model.named_parameters(), shared, per_row):
+        # RMSNorm normalises in fp32 (as transformers does) even in fp64, so summing the rows'
+        # gradients before or after it differs at fp32 rounding, ~1e-7 relative.
+        assert (a - b).abs().max() <= 1e-6 * b.abs().max() + 1e-12, name
+
+
+def test_shared_pass_runs_each_distinct_prompt_once(hf_checkpoint, monkeypatch):
+    model = load_model(hf_checkpoint("qwen2")[0])
+    prompts, completions = batch()
+    ids, attn, cids, cmask, Lp = pack(prompts, completions, pad_id=0)
+    seen = []
+    forward = type(model).forward
+    monkeypatch.setattr(type(model), "forward", lambda self, x, *a, **k: seen.append(tuple(x.shape)) or forward(self, x, *a, **k))
+    completion_hidden(model, ids, attn, Lp)
+    assert seen == [(3, Lp), (len(prompts), ids.shape[1] - Lp)]  # 3 distinct prompts, then 6 completions
+
+
+def test_distinct_prompts_take_the_plain_pass(hf_checkpoint):
+    model = load_model(hf_checkpoint("qwen2")[0])
+    prompts, completions = batch()
+    ids, attn, cids, cmask, Lp = pack(prompts[:2] + prompts[3:4], completions[:3], pad_id=0)
+    mask, pos = padded_causal_mask(attn)
+    with torch.no_grad():
+        plain = model(ids, pos, mask)[:, Lp - 1:Lp - 1 + cids.shape[1]]
+        assert torch.equal(completion_hidden(model, ids, attn, Lp), plain)
+
+
+def test_prefix_rows_without_a_mask_raise(hf_checkpoint):
+    model = load_model(hf_checkpoint("qwen2")[0])
+    prefix = PrefixKV()
+    model(torch.ones(1, 3, dtype=torch.long), prefix=prefix)
+    with pytest.raises(ValueError, match="mask"):
+        model(torch.ones(2, 2, dtype=torch.long), prefix=prefix, prefix_rows=torch.zeros(2, dtype=torch.long))
