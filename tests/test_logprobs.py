@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from rlcore.losses import logprobs
 from rlcore.losses.logprobs import token_logprobs
 
 B, T, H, V = 3, 5, 16, 37  # N = 15 rows: chunk sizes 1, 4, 7 leave a ragged last chunk
@@ -33,13 +34,15 @@ def grads(outputs, inputs, upstream):
     return torch.autograd.grad(outputs, inputs, upstream)
 
 
+@pytest.mark.parametrize("recompute", [True, False])
 @pytest.mark.parametrize("chunk_size", [1, 4, 7, 15, 1024])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("bias", [False, True])
-def test_logp_entropy_and_grads_match_naive_fp64(chunk_size, temperature, bias):
+def test_logp_entropy_and_grads_match_naive_fp64(chunk_size, temperature, bias, recompute):
     (hidden, weight, *b), targets = make_inputs(bias=bias)
     b = b[0] if bias else None
-    logp, entropy = token_logprobs(hidden, weight, targets, temperature, chunk_size, bias=b)
+    logp, entropy = token_logprobs(hidden, weight, targets, temperature, chunk_size, bias=b,
+                                   recompute=recompute)
     ref_logp, ref_entropy = naive_fp64(hidden, weight, targets, temperature, b)
     torch.testing.assert_close(logp, ref_logp, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(entropy, ref_entropy, rtol=1e-12, atol=1e-12)
@@ -50,26 +53,30 @@ def test_logp_entropy_and_grads_match_naive_fp64(chunk_size, temperature, bias):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
-def test_gradcheck_fp64():
+@pytest.mark.parametrize("recompute", [True, False])
+def test_gradcheck_fp64(recompute):
     (hidden, weight, bias), targets = make_inputs(bias=True)
-    fn = lambda h, w, b: token_logprobs(h, w, targets, temperature=0.8, chunk_size=4, bias=b)[0]
+    fn = lambda h, w, b: token_logprobs(h, w, targets, temperature=0.8, chunk_size=4, bias=b,
+                                        recompute=recompute)[0]
     assert torch.autograd.gradcheck(fn, (hidden, weight, bias))
 
 
-def test_fp32_matches_fp64_reference():
+@pytest.mark.parametrize("recompute", [True, False])
+def test_fp32_matches_fp64_reference(recompute):
     (hidden, weight), targets = make_inputs(dtype=torch.float32)
-    logp, entropy = token_logprobs(hidden, weight, targets, chunk_size=4)
+    logp, entropy = token_logprobs(hidden, weight, targets, chunk_size=4, recompute=recompute)
     ref_logp, ref_entropy = naive_fp64(hidden, weight, targets)
     assert logp.dtype == torch.float32
     torch.testing.assert_close(logp.double(), ref_logp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(entropy.double(), ref_entropy, rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_inputs_compute_in_fp32_and_return_bf16_grads():
+@pytest.mark.parametrize("recompute", [True, False])
+def test_bf16_inputs_compute_in_fp32_and_return_bf16_grads(recompute):
     """bf16 h and W: logits are formed in fp32 from the bf16 values, so the only error left
     is fp32 rounding; grads come back in bf16 (one bf16 rounding of the fp64 grad)."""
     (hidden, weight), targets = make_inputs(dtype=torch.bfloat16)
-    logp, entropy = token_logprobs(hidden, weight, targets, chunk_size=4)
+    logp, entropy = token_logprobs(hidden, weight, targets, chunk_size=4, recompute=recompute)
     hidden64, weight64 = (x.detach().double().requires_grad_() for x in (hidden, weight))
     ref_logp, ref_entropy = naive_fp64(hidden64, weight64, targets)  # the same bf16 values
     assert logp.dtype == torch.float32 and entropy.dtype == torch.float32
@@ -84,7 +91,8 @@ def test_bf16_inputs_compute_in_fp32_and_return_bf16_grads():
     torch.testing.assert_close(grad_w.double(), ref_w, rtol=1e-2, atol=1e-2)
 
 
-def test_backward_saves_inputs_and_logsumexp_but_no_logits():
+def saved_shapes(**kwargs):
+    """Shapes of the tensors token_logprobs saves for backward, in any order."""
     (hidden, weight), targets = make_inputs()
     saved = []
 
@@ -93,8 +101,68 @@ def test_backward_saves_inputs_and_logsumexp_but_no_logits():
         return x
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        token_logprobs(hidden, weight, targets, chunk_size=4)
-    assert sorted(saved) == sorted([(B * T, H), (V, H), (B * T,), (B * T,)])  # h, W, targets, lse
+        token_logprobs(hidden, weight, targets, chunk_size=4, **kwargs)
+    return sorted(saved)
+
+
+INPUTS_AND_LSE = [(B * T, H), (V, H), (B * T,), (B * T,)]  # h, W, targets, lse
+
+
+def test_recompute_saves_inputs_and_logsumexp_but_no_logits():
+    assert saved_shapes(recompute=True) == sorted(INPUTS_AND_LSE)
+
+
+def test_no_recompute_saves_exactly_one_n_by_v_softmax():
+    assert saved_shapes(recompute=False) == sorted(INPUTS_AND_LSE + [(B * T, V)])
+
+
+def test_automatic_recompute_saves_softmax_up_to_the_byte_limit(monkeypatch):
+    softmax_bytes = B * T * V * 8  # fp64 inputs compute in fp64
+    monkeypatch.setattr(logprobs, "SAVE_PROBS_MAX_BYTES", softmax_bytes)
+    assert saved_shapes() == sorted(INPUTS_AND_LSE + [(B * T, V)])
+    monkeypatch.setattr(logprobs, "SAVE_PROBS_MAX_BYTES", softmax_bytes - 1)
+    assert saved_shapes() == sorted(INPUTS_AND_LSE)
+
+
+def test_without_grad_the_softmax_is_not_kept_even_if_asked(monkeypatch):
+    """Under no_grad there is no backward, so the [N, V] softmax would be a wasted buffer."""
+    passed = []
+    apply = logprobs.ChunkedTokenLogprobs.apply
+    spy = lambda *args: passed.append(args[-1]) or apply(*args)  # last arg: resolved recompute
+    monkeypatch.setattr(logprobs.ChunkedTokenLogprobs, "apply", spy)
+    (hidden, weight), targets = make_inputs()
+    token_logprobs(hidden, weight, targets, recompute=False)
+    with torch.no_grad():
+        token_logprobs(hidden, weight, targets, recompute=False)
+    assert passed == [False, True]
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_second_backward_with_retain_graph_gives_the_same_grads(recompute):
+    """Backward must not overwrite what forward saved (the softmax with recompute=False)."""
+    (hidden, weight, bias), targets = make_inputs(bias=True)
+    logp, _ = token_logprobs(hidden, weight, targets, 0.7, chunk_size=4, bias=bias,
+                             recompute=recompute)
+    upstream = torch.randn(B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    first = torch.autograd.grad(logp, [hidden, weight, bias], upstream, retain_graph=True)
+    second = torch.autograd.grad(logp, [hidden, weight, bias], upstream)
+    ref_logp, _ = naive_fp64(hidden, weight, targets, 0.7, bias)
+    for got, want in zip(first, grads(ref_logp, [hidden, weight, bias], upstream)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_recompute_and_saved_softmax_give_the_same_grads():
+    (hidden, weight, bias), targets = make_inputs(bias=True)
+    upstream = torch.randn(B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    by_mode = []
+    for recompute in (True, False):
+        logp, _ = token_logprobs(hidden, weight, targets, 0.7, chunk_size=4, bias=bias,
+                                 recompute=recompute)
+        by_mode.append(grads(logp, [hidden, weight, bias], upstream))
+    for a, b in zip(*by_mode):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
 
 
 def test_entropy_carries_no_grad():
@@ -103,10 +171,11 @@ def test_entropy_carries_no_grad():
     assert not entropy.requires_grad
 
 
-def test_frozen_weight_gets_no_grad_and_hidden_grad_is_unchanged():
+@pytest.mark.parametrize("recompute", [True, False])
+def test_frozen_weight_gets_no_grad_and_hidden_grad_is_unchanged(recompute):
     (hidden, weight), targets = make_inputs()
     frozen = weight.detach()
-    logp, _ = token_logprobs(hidden, frozen, targets, chunk_size=4)
+    logp, _ = token_logprobs(hidden, frozen, targets, chunk_size=4, recompute=recompute)
     logp.sum().backward()
     ref_logp, _ = naive_fp64(hidden, frozen, targets)
     (ref_h,) = torch.autograd.grad(ref_logp.sum(), hidden)
@@ -121,6 +190,12 @@ def test_bad_arguments_raise(kwargs, message):
     (hidden, weight), targets = make_inputs()
     with pytest.raises(ValueError, match=message):
         token_logprobs(hidden, weight, targets, **kwargs)
+
+
+def test_recompute_that_is_not_a_bool_or_none_raises():
+    (hidden, weight), targets = make_inputs()
+    with pytest.raises(TypeError, match="recompute"):
+        token_logprobs(hidden, weight, targets, recompute="yes")
 
 
 def test_mismatched_shapes_raise():

@@ -5,20 +5,35 @@ logp[b, t] = log softmax((h[b, t] @ W.T + bias) / temperature)[targets[b, t]]   
 The naive version, `log_softmax(h @ W.T).gather(...)`, holds several fp32 [B*T, V] tensors at
 once (logits, log-softmax, and their gradients in backward): for 4 x 1024 tokens and a 152k
 vocabulary that is 2.5 GB each. Here the flattened [N, H] rows are processed in chunks of
-`chunk_size`, so the extra memory is O(chunk_size x V), and backward recomputes each chunk's
-logits instead of saving them (one extra [chunk, H] x [H, V] matmul per chunk, about a third
-more FLOPs than the naive forward + backward).
+`chunk_size` through [chunk_size, V] buffers allocated once per call (a fresh large tensor
+per chunk costs page faults on CPU). Backward needs d logp / d logits = onehot(target) - softmax
+per chunk, and `recompute` picks how it gets the softmax:
+
+- recompute=True: forward saves only the [N] log-sum-exp (O(N) extra memory) and backward
+  recomputes each chunk's logits: one more [chunk, H] x [H, V] matmul per chunk, a quarter of
+  the matmul FLOPs of forward + backward.
+- recompute=False: forward saves the [N, V] softmax in the compute dtype (fp32: 262 MB for
+  2048 tokens and a 32000 vocabulary) and backward skips that matmul.
+- recompute=None (default): save when the softmax takes at most SAVE_PROBS_MAX_BYTES, else
+  recompute; 4096 tokens x 151936 vocabulary (Qwen, 2.5 GB) is recomputed.
 
 This is the plain-PyTorch twin of a fused CUDA kernel: the CPU path and its test oracle.
 """
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+SAVE_PROBS_MAX_BYTES = 512 * 2**20
+"""Largest [N, V] softmax that recompute=None keeps for backward instead of recomputing logits."""
 
 
-def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-    """[C, H] rows -> [C, V] temperature-scaled logits in the dtype of `weight`, a fresh buffer."""
-    logits = h.to(weight.dtype) @ weight.T  # the only big allocation: C x V
+def _chunk_logits(
+    h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, buf: Tensor
+) -> Tensor:
+    """[C, H] rows -> [C, V] temperature-scaled logits in the dtype of `weight`, written into the
+    first C rows of the reusable buffer `buf` [chunk_size, V]."""
+    logits = torch.mm(h.to(weight.dtype), weight.T, out=buf[: h.shape[0]])
     if bias is not None:
         logits += bias
     if temperature != 1.0:
@@ -28,56 +43,72 @@ def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: f
 
 class ChunkedTokenLogprobs(torch.autograd.Function):
     """Autograd function over flattened rows: (h[N, H], W[V, H], bias[V] | None, targets[N]) ->
-    (logp[N], entropy[N]). Saves only h, W, bias, targets and the [N] log-sum-exp."""
+    (logp[N], entropy[N]). Saves h, W, bias, targets and the [N] log-sum-exp, and with
+    recompute=False also the [N, V] softmax, which backward reads but never overwrites."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, recompute):
         # Compute in fp32 at least (bf16 logits lose ~0.1 nats at |logit| ~ 20); fp64 stays fp64
         # so gradcheck works. Upcasting a bf16 W costs one fp32 V x H copy per call, not per chunk.
         dtype = torch.promote_types(weight.dtype, torch.float32)
         w = weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
-        n = hidden.shape[0]
+        n, vocab = hidden.shape[0], w.shape[0]
         logp = hidden.new_empty(n, dtype=dtype)
         entropy = hidden.new_empty(n, dtype=dtype)
         lse = hidden.new_empty(n, dtype=dtype)
+        logits = hidden.new_empty(min(chunk_size, n), vocab, dtype=dtype)
+        probs = None if recompute else hidden.new_empty(n, vocab, dtype=dtype)
+        exp_buf = torch.empty_like(logits) if recompute else None
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
-            logits = _chunk_logits(hidden[rows], w, b, temperature)
-            lse[rows] = torch.logsumexp(logits, dim=-1)
-            logits -= lse[rows, None]  # in place: now the full log-softmax of the chunk
-            logp[rows] = logits.gather(1, targets[rows, None]).squeeze(1)
-            # H = -sum_v p_v log p_v; p * log p is formed in place so the chunk peaks at two C x V
-            entropy[rows] = -logits.exp().mul_(logits).sum(-1)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+            z = _chunk_logits(hidden[rows], w, b, temperature, logits)
+            m = z.amax(-1, keepdim=True)
+            z -= m  # max-subtracted, so exp cannot overflow
+            p = torch.exp(z, out=exp_buf[: len(z)] if recompute else probs[rows])
+            s = p.sum(-1, keepdim=True)
+            log_s = s.log()
+            lse[rows] = (m + log_s).squeeze(1)
+            logp[rows] = (z.gather(1, targets[rows, None]) - log_s).squeeze(1)
+            # H = -sum_v q_v log q_v with q = p / s and log q = z - log s, so
+            # H = log s - sum_v p_v z_v / s; z.mul_(p) reuses the logits buffer, done with here
+            entropy[rows] = (log_s - z.mul_(p).sum(-1, keepdim=True) / s).squeeze(1)
+            if not recompute:
+                p /= s
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, probs)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, probs = ctx.saved_tensors
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
         dtype = lse.dtype
         w = weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        n = hidden.shape[0]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros_like(w) if need_w else None  # accumulated in fp32 across chunks
         grad_b = torch.zeros_like(b) if need_b else None
-        grad_logp = grad_logp.to(dtype)
-        for start in range(0, hidden.shape[0], chunk_size):
+        # chain rule through logits = (h @ W.T + b) / temperature, applied to the [N] upstream
+        grad_logp = grad_logp.to(dtype) / temperature
+        buf = hidden.new_empty(min(chunk_size, n), w.shape[0], dtype=dtype)
+        for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
             h = hidden[rows].to(dtype)
             g = grad_logp[rows, None]
-            # d logp / d logits = onehot(target) - softmax; the recompute is the price of not
-            # saving N x V logits in forward.
-            grad_z = _chunk_logits(h, w, b, temperature)
-            grad_z -= lse[rows, None]
-            grad_z.exp_().mul_(-g)
+            # d logp / d logits = onehot(target) - softmax
+            if probs is None:  # recompute: the price of not saving N x V in forward
+                grad_z = _chunk_logits(h, w, b, temperature, buf)
+                grad_z -= lse[rows, None]
+                grad_z.exp_().mul_(-g)
+            else:  # into buf, never in place: a retain_graph backward reads probs again
+                grad_z = torch.mul(probs[rows], -g, out=buf[: h.shape[0]])
             grad_z.scatter_add_(1, targets[rows, None], g)
-            grad_z /= temperature  # chain rule through logits = (h @ W.T + b) / temperature
             if need_h:
                 grad_h[rows] = (grad_z @ w).to(hidden.dtype)
             if need_w:
@@ -86,7 +117,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 grad_b += grad_z.sum(0)
         grad_w = None if grad_w is None else grad_w.to(weight.dtype)
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None
 
 
 def token_logprobs(
@@ -96,6 +127,7 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 256,
     bias: Tensor | None = None,
+    recompute: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Log-probability of `targets` and entropy of softmax((hidden @ weight.T + bias) / temperature).
 
@@ -104,19 +136,33 @@ def token_logprobs(
     Returns logp [B, T] (fp32, differentiable w.r.t. hidden, weight and bias) and entropy [B, T]
     (fp32, no grad). Padding positions need a valid token id; mask them in the loss.
     bf16 inputs are computed in fp32 per chunk and receive grads in bf16.
-    Extra memory is about 2 x chunk_size x V fp32 (forward) plus an fp32 grad of `weight`.
+
+    Extra memory is two chunk_size x V fp32 buffers plus an fp32 grad of `weight`, and, until
+    backward, whatever `recompute` keeps: True keeps O(N), and backward recomputes the logits
+    (one more chunk x H x V matmul per chunk); False keeps the fp32 [N, V] softmax and backward
+    skips that matmul; None keeps it when it is at most SAVE_PROBS_MAX_BYTES (512 MiB: 2048 x
+    32000 is kept, 4096 x 151936 is recomputed). Without grad (no_grad, or no input requiring
+    grad) nothing is kept, whatever `recompute` says.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if recompute is not None and not isinstance(recompute, bool):
+        raise TypeError(f"recompute must be True, False or None (automatic), got {recompute!r}")
     batch, time, size = hidden.shape
     if weight.shape[1] != size:
         raise ValueError(f"hidden size {size} does not match weight {tuple(weight.shape)}")
     if targets.shape != (batch, time):
         raise ValueError(f"targets {tuple(targets.shape)} must have shape [B, T] = {(batch, time)}")
+    leaves = (hidden, weight) if bias is None else (hidden, weight, bias)
+    if not (torch.is_grad_enabled() and any(x.requires_grad for x in leaves)):
+        recompute = True  # no backward will run: a saved softmax would be a wasted N x V buffer
+    elif recompute is None:
+        itemsize = torch.promote_types(weight.dtype, torch.float32).itemsize
+        recompute = batch * time * weight.shape[0] * itemsize > SAVE_PROBS_MAX_BYTES
     logp, entropy = ChunkedTokenLogprobs.apply(
         hidden.reshape(batch * time, size), weight, bias, targets.reshape(-1).long(),
-        float(temperature), int(chunk_size),
+        float(temperature), int(chunk_size), recompute,
     )
     return logp.view(batch, time), entropy.view(batch, time)
