@@ -189,21 +189,6 @@ class PrefixKV:
     v: list[torch.Tensor] = field(default_factory=list)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D)) v for one query per row: q `[B, H, 1, D]`, k/v `[B, H_kv, S, D]`,
-    mask `[B, 1, 1, S]` (True = attend). Returns `[B, H, 1, D]`.
-
-    Each KV head's H/H_kv query heads form one `[H/H_kv, D] x [D, S]` product, so GQA needs no
-    repeated keys. Used for CPU decoding, where SDPA's fixed cost per call (~1 ms at B = 64,
-    S ~ 150) exceeds the work itself.
-    """
-    B, H, _, D = q.shape
-    n_kv = k.shape[1]
-    scores = q.reshape(B, n_kv, H // n_kv, D) @ k.transpose(-1, -2)
-    scores = scores.mul_(D ** -0.5).masked_fill_(~mask, float("-inf"))
-    return (scores.softmax(-1) @ v).reshape(B, H, 1, D)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -241,12 +226,9 @@ class Attention(nn.Module):
         elif prefix is not None:  # a continuation: the prefix's keys/values come first
             k = torch.cat((prefix.k[layer].index_select(0, prefix_rows), k), dim=2)
             v = torch.cat((prefix.v[layer].index_select(0, prefix_rows), v), dim=2)
-        if cache is not None and T == 1 and x.device.type == "cpu":
-            y = decode_attention(q, k, v, mask)
-        else:
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads
-            )
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads
+        )
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -7,7 +7,7 @@ import torch
 
 from conftest import FAMILIES, make_hf_model
 from rlcore.checkpoint import load_model
-from rlcore.model import KVCache, ModelConfig, Transformer, decode_attention, padded_causal_mask
+from rlcore.model import KVCache, ModelConfig, Transformer, padded_causal_mask
 
 TOL = 1e-4
 
@@ -80,12 +80,3 @@ def test_config_reads_pre_v5_rope_keys():
     assert cfg.rope_theta == 500000.0 and cfg.rope_scaling["rope_type"] == "llama3"
     assert cfg.head_dim == 4 and cfg.num_key_value_heads == 2
 
-
-def test_decode_attention_matches_sdpa_with_gqa_and_mask():
-    g = torch.Generator().manual_seed(5)
-    q = torch.randn(3, 8, 1, 16, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(3, 2, 11, 16, generator=g, dtype=torch.float64) for _ in range(2))
-    mask = torch.rand(3, 1, 1, 11, generator=g) > 0.3
-    mask[..., -1] = True  # every row attends somewhere
-    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    assert (decode_attention(q, k, v, mask) - ref).abs().max().item() <= 1e-12
