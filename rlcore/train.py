@@ -161,6 +161,19 @@ def latest_checkpoint(run: Path) -> Path:
     return ck
 
 
+def step_diagnostics(micro: list[dict]) -> dict:
+    """One optimizer step's loss diagnostics from its micro-batches' (`policy_loss` metrics plus
+    `loss`). The loss and the active-token count are summed: the step's gradient is that of the
+    sum. Every other entry is a mean over active tokens, so it is weighted by them (an unweighted
+    mean would let a micro-batch of short completions count as much as one of long ones)."""
+    tokens = sum(d["tokens"] for d in micro)
+    out = {"loss": sum(d["loss"] for d in micro), "tokens": tokens}
+    for k in micro[0]:
+        if k not in ("loss", "tokens"):
+            out[k] = sum(d[k] * d["tokens"] for d in micro) / max(tokens, 1)
+    return out
+
+
 def log_line(step: int, max_steps: int, m: dict) -> str:
     clip = f"clip {m['clip_ratio/region']:.3f}  " if "clip_ratio/region" in m else ""  # ppo only
     return (f"step {step:>4}/{max_steps}  reward {m['reward/mean']:.3f}  acc {m['reward/accuracy']:.3f}  "
@@ -351,7 +364,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                 # Metrics (SPEC 6): round statistics + this step's loss diagnostics.
                 n_tok = ro.lengths.sum().item()
                 met = {"step": step, "epoch": epoch, **reward_stats,
-                       **{k_: sum(s[k_] for s in step_metrics) / len(step_metrics) for k_ in step_metrics[0]},
+                       **step_diagnostics(step_metrics),
                        "reward/accuracy": acc.mean().item(),
                        "completion/len_mean": ro.lengths.float().mean().item(),
                        "completion/len_min": ro.lengths.min().item(), "completion/len_max": ro.lengths.max().item(),

@@ -27,7 +27,8 @@ from rlcore.data import DataError
 from rlcore.embedded import build_embedded_model
 from rlcore.tasks import unique_problems
 from rlcore.tokenizer import Tokenizer
-from rlcore.train import latest_checkpoint, train
+from rlcore.losses.policy import policy_loss
+from rlcore.train import latest_checkpoint, step_diagnostics, train
 
 SEED, NUM_EVAL = 0, 16
 SMALL = ["train.device=cpu", f"data.seed={SEED}", f"data.num_eval={NUM_EVAL}", "data.num_train=256",
@@ -477,3 +478,24 @@ def test_two_ranks_train_one_run_in_sync_and_resume(tmp_path):
     out = torchrun(tmp_path, "train", "--resume", str(run), "--set", "train.max_steps=3")
     assert out.returncode == 0, out.stderr[-3000:]
     assert [r["step"] for r in rows(run)] == [1, 2, 3]
+
+
+def test_step_metrics_weight_micro_batches_by_active_tokens():
+    """Combining two micro-batches' diagnostics gives the diagnostics of the two as one batch."""
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(6, 5, generator=g, dtype=torch.float64)
+    old = logp + 0.3 * torch.randn(6, 5, generator=g, dtype=torch.float64)
+    adv = torch.randn(6, generator=g, dtype=torch.float64)
+    mask = torch.ones(6, 5, dtype=torch.float64)
+    mask[:2, 1:] = 0  # the first micro-batch holds far fewer active tokens than the second
+    kw = dict(loss="ppo", epsilon=0.2, epsilon_high=0.28)
+    micro = []
+    for rows in (slice(0, 3), slice(3, 6)):
+        _, m = policy_loss(logp[rows], old[rows], adv[rows], mask[rows], **kw)
+        micro.append({"loss": 0.1, **{k: float(v) for k, v in m.items()}})
+    _, whole = policy_loss(logp, old, adv, mask, **kw)
+    got = step_diagnostics(micro)
+    assert got["tokens"] == 22 and got["loss"] == pytest.approx(0.2)
+    for k in ("kl_old/k1", "kl_old/k3", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region"):
+        assert got[k] == pytest.approx(float(whole[k]), abs=1e-6), k  # clip fractions are fp32
+    assert micro[0]["kl_old/k3"] != pytest.approx(micro[1]["kl_old/k3"])  # weighting matters here
