@@ -1,6 +1,7 @@
 """Data parallelism over P ranks, the plain way: every rank holds the whole model, generates and
-trains on its own slice of each round, and gradients are averaged with one all-reduce per
-parameter before each optimizer step (what DDP does, without its bucketing and overlap).
+trains on its own slice of each round, and gradients are averaged with all-reduces over flat
+buckets of about 25 MiB before each optimizer step (what DDP does, without overlapping the
+all-reduce with backward).
 
 Launch with `torchrun --nproc_per_node=P -m rlcore.cli train ...`; without torchrun every
 function here is a no-op for a single rank. gloo on CPU, NCCL on GPU.
@@ -44,14 +45,34 @@ def sum_over_ranks(x: float, world: int, device: torch.device) -> float:
     return t.item()
 
 
-def average_gradients(model: torch.nn.Module, world: int) -> None:
-    """Replace each gradient by its mean over ranks: one all-reduce per parameter."""
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
+
+
+def average_gradients(model: torch.nn.Module, world: int, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Replace each gradient by its mean over ranks.
+
+    Gradients are copied into flat buckets of about `bucket_bytes` (one dtype per bucket), each
+    all-reduced once and copied back: every collective has a fixed latency, so a 0.5B model
+    takes ~80 all-reduces instead of one per parameter (~290). Every rank holds the same
+    parameters with gradients, so all ranks form the same buckets in the same order.
+    """
     if world == 1:
         return
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-            p.grad /= world
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    bucket: list[torch.Tensor] = []
+    for i, g in enumerate(grads):
+        bucket.append(g)
+        last = i + 1 == len(grads)
+        full = sum(b.numel() for b in bucket) * g.element_size() >= bucket_bytes
+        if last or full or grads[i + 1].dtype != g.dtype:
+            flat = torch.cat([b.reshape(-1) for b in bucket])
+            dist.all_reduce(flat)
+            flat /= world
+            offset = 0
+            for b in bucket:
+                b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                offset += b.numel()
+            bucket = []
 
 
 def check_replicas_agree(model: torch.nn.Module, world: int) -> None:

@@ -1,0 +1,50 @@
+"""Gradient averaging over 2 gloo processes: every gradient becomes the exact mean of the ranks'."""
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rlcore.distributed import average_gradients
+
+
+def model_with_grads(rank: int) -> torch.nn.Module:
+    """Mixed shapes and dtypes, and one parameter without a gradient; grads differ per rank."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3, bias=False), torch.nn.Linear(3, 2))
+    model[1].double()
+    g = torch.Generator().manual_seed(100 + rank)
+    for name, p in model.named_parameters():
+        if name != "2.bias":
+            p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+    return model
+
+
+def _average_on_rank(rank, init_file, out_dir, bucket_bytes):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    model = model_with_grads(rank)
+    average_gradients(model, 2, bucket_bytes=bucket_bytes)
+    torch.save({n: p.grad for n, p in model.named_parameters()}, os.path.join(out_dir, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def check_average(tmp_path, bucket_bytes):
+    mp.spawn(_average_on_rank, args=(str(tmp_path / "init"), str(tmp_path), bucket_bytes), nprocs=2)
+    want = {n: None if p.grad is None else (p.grad + q.grad) / 2
+            for (n, p), q in zip(model_with_grads(0).named_parameters(), model_with_grads(1).parameters())}
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"{rank}.pt")
+        for n, w in want.items():
+            if w is None:
+                assert got[n] is None, n
+            else:
+                assert got[n].dtype == w.dtype and torch.allclose(got[n], w, rtol=0, atol=1e-6), (rank, n)
+
+
+def test_gradients_averaged_with_one_parameter_per_bucket(tmp_path):
+    check_average(tmp_path, bucket_bytes=1)
+
+
+def test_gradients_averaged_with_everything_in_few_buckets(tmp_path):
+    check_average(tmp_path, bucket_bytes=2**20)  # buckets split only where the dtype changes
