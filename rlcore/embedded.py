@@ -2,9 +2,10 @@
 
 Built on first run (about a minute on 2 CPU cores) and cached, so the quick start needs no
 download. The warm start is deliberately imperfect: it imitates a *buggy demonstrator* that answers
-one too high in a fraction `noise` (60%) of its demonstrations. The resulting policy knows the
-format and puts real probability (about 40%) on the right answer, but its greedy answer is the
-demonstrator's bug: held-out greedy accuracy starts near zero. That is the situation GRPO is
+one too high in a fraction `noise` (60%) of its demonstrations of every problem (3 of the 5 it
+gives per problem, so no problem is memorised as always right or always wrong). The resulting
+policy knows the format and puts real probability (about 40%) on the right answer, but its greedy
+answer is the demonstrator's bug: held-out greedy accuracy starts low. That is the situation GRPO is
 for: the right answer is among the policy's own samples, and an exact-match reward is enough to
 find and reinforce it. (Behaviour cloning cannot fix this; more demonstrations of the same
 demonstrator only sharpen the bug.)
@@ -13,7 +14,6 @@ demonstrator only sharpen the bug.)
 from __future__ import annotations
 
 import json
-import random
 import string
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from rlcore.model import ModelConfig, Transformer
 from rlcore.sft import sft
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
+DEMOS_PER_PROBLEM = 5
 CHARS = string.printable[:95]  # digits, letters, punctuation, space
 
 ARCH = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="silu",
@@ -71,9 +72,10 @@ def build_embedded_model(path: str | Path, examples: list[dict], *, noise: float
     torch.manual_seed(seed)
     model = Transformer(ModelConfig.from_hf(ARCH))
     model.apply(init_weights)
-    rng = random.Random(seed)
-    prompts = [tok.encode(ex["prompt"]) for ex in examples]
-    answers = [buggy(ex["answer"]) if rng.random() < noise else ex["answer"] for ex in examples]
+    n_bug = round(noise * DEMOS_PER_PROBLEM)
+    prompts = [tok.encode(ex["prompt"]) for ex in examples for _ in range(DEMOS_PER_PROBLEM)]
+    answers = [buggy(ex["answer"]) if i < n_bug else ex["answer"]
+               for ex in examples for i in range(DEMOS_PER_PROBLEM)]
     completions = [tok.encode(a) + [tok.eos_token_id] for a in answers]
     sft(model, prompts, completions, pad_id=tok.pad_token_id, steps=steps,
         batch_size=batch_size, lr=lr, seed=seed, log_every=100)

@@ -82,7 +82,7 @@ def embedded_model_dir(cfg: Config) -> Path:
                          "set model.path to a Hugging Face checkpoint directory for other tasks")
     cache = Path(os.environ.get("RLCORE_CACHE", Path.home() / ".cache" / "rlcore"))
     pool = unique_problems("arithmetic", 10**6, d.seed)[d.num_eval:]  # everything but the eval set
-    return build_embedded_model(cache / f"embedded-arithmetic-seed{d.seed}-eval{d.num_eval}", pool)
+    return build_embedded_model(cache / f"embedded-arithmetic-v2-seed{d.seed}-eval{d.num_eval}", pool)
 
 
 def next_prompts(examples: list[dict], pos: int, n: int, seed: int) -> list[dict]:

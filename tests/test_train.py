@@ -52,7 +52,7 @@ def embedded_dir(tmp_path_factory):
     torch.set_num_threads(1)
     cache = tmp_path_factory.mktemp("rlcore_cache")
     pool = unique_problems("arithmetic", 10**6, SEED)[NUM_EVAL:]
-    path = build_embedded_model(cache / f"embedded-arithmetic-seed{SEED}-eval{NUM_EVAL}", pool,
+    path = build_embedded_model(cache / f"embedded-arithmetic-v2-seed{SEED}-eval{NUM_EVAL}", pool,
                                 steps=120, batch_size=64)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RLCORE_CACHE", str(cache))
