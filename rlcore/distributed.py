@@ -60,11 +60,11 @@ def average_gradients(model: torch.nn.Module, world: int, bucket_bytes: int = BU
         return
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     bucket: list[torch.Tensor] = []
+    size = 0  # bytes in `bucket`
     for i, g in enumerate(grads):
         bucket.append(g)
-        last = i + 1 == len(grads)
-        full = sum(b.numel() for b in bucket) * g.element_size() >= bucket_bytes
-        if last or full or grads[i + 1].dtype != g.dtype:
+        size += g.numel() * g.element_size()
+        if i + 1 == len(grads) or size >= bucket_bytes or grads[i + 1].dtype != g.dtype:
             flat = torch.cat([b.reshape(-1) for b in bucket])
             dist.all_reduce(flat)
             flat /= world
@@ -72,7 +72,7 @@ def average_gradients(model: torch.nn.Module, world: int, bucket_bytes: int = BU
             for b in bucket:
                 b.copy_(flat[offset:offset + b.numel()].view_as(b))
                 offset += b.numel()
-            bucket = []
+            bucket, size = [], 0
 
 
 def check_replicas_agree(model: torch.nn.Module, world: int) -> None:

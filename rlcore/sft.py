@@ -58,7 +58,7 @@ def completion_hidden(model: Transformer, ids, attn, Lp: int):
     mask, pos = padded_causal_mask(attn)
     prompts = ids[:, :Lp].masked_fill(attn[:, :Lp] == 0, -1)  # -1 marks padding: no collision with an id
     distinct, rows = torch.unique(prompts, dim=0, return_inverse=True)
-    if Lp == 0 or len(distinct) == len(ids):  # nothing to share
+    if len(distinct) == len(ids):  # nothing to share
         return model(ids, pos, mask)[:, Lp - 1:Lp - 1 + Tc]
     # Distinct prompts keep their rows' left padding, so mask columns 0..Lp-1 line up with them.
     prefix = PrefixKV()

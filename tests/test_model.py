@@ -79,4 +79,3 @@ def test_config_reads_pre_v5_rope_keys():
     cfg = ModelConfig.from_hf(d)
     assert cfg.rope_theta == 500000.0 and cfg.rope_scaling["rope_type"] == "llama3"
     assert cfg.head_dim == 4 and cfg.num_key_value_heads == 2
-

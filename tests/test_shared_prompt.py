@@ -7,9 +7,8 @@ from rlcore's plain forward pass. Sharing must change neither.
 import pytest
 import torch
 
-from conftest import make_hf_model
 from rlcore.checkpoint import load_model
-from rlcore.model import PrefixKV, padded_causal_mask
+from rlcore.model import PrefixKV
 from rlcore.sft import completion_hidden, completion_logprobs, pack
 
 # Three prompts of different lengths, repeated unevenly, with ragged completions.
@@ -48,12 +47,8 @@ def test_shared_prompt_logprobs_match_transformers_per_row(family, hf_checkpoint
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_shared_prompt_gradients_match_per_row_passes_fp64(family):
-    model_hf = make_hf_model(family)
-    from rlcore.model import ModelConfig, Transformer
-    model = Transformer(ModelConfig.from_hf(model_hf.config.to_dict()))
-    model.load_state_dict(model_hf.state_dict(), strict=False)
-    model.double()
+def test_shared_prompt_gradients_match_per_row_passes_fp64(family, hf_checkpoint):
+    model = load_model(hf_checkpoint(family)[0]).double()
     prompts, completions = batch(seed=1)
     ids, attn, cids, cmask, Lp = pack(prompts, completions, pad_id=0)
     weights = torch.randn(cids.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * cmask
@@ -69,25 +64,33 @@ def test_shared_prompt_gradients_match_per_row_passes_fp64(family):
         assert (a - b).abs().max() <= 1e-6 * b.abs().max() + 1e-12, name
 
 
+def forward_shapes(model, monkeypatch) -> list:
+    """The input shape of every forward call `model` makes from now on."""
+    seen, forward = [], type(model).forward
+
+    def recording(self, x, *args, **kwargs):
+        seen.append(tuple(x.shape))
+        return forward(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", recording)
+    return seen
+
+
 def test_shared_pass_runs_each_distinct_prompt_once(hf_checkpoint, monkeypatch):
     model = load_model(hf_checkpoint("qwen2")[0])
-    prompts, completions = batch()
-    ids, attn, cids, cmask, Lp = pack(prompts, completions, pad_id=0)
-    seen = []
-    forward = type(model).forward
-    monkeypatch.setattr(type(model), "forward", lambda self, x, *a, **k: seen.append(tuple(x.shape)) or forward(self, x, *a, **k))
+    ids, attn, cids, cmask, Lp = pack(*batch(), pad_id=0)
+    seen = forward_shapes(model, monkeypatch)
     completion_hidden(model, ids, attn, Lp)
-    assert seen == [(3, Lp), (len(prompts), ids.shape[1] - Lp)]  # 3 distinct prompts, then 6 completions
+    assert seen == [(3, Lp), (len(ids), ids.shape[1] - Lp)]  # 3 distinct prompts, then 6 completions
 
 
-def test_distinct_prompts_take_the_plain_pass(hf_checkpoint):
+def test_distinct_prompts_take_the_plain_pass(hf_checkpoint, monkeypatch):
     model = load_model(hf_checkpoint("qwen2")[0])
     prompts, completions = batch()
     ids, attn, cids, cmask, Lp = pack(prompts[:2] + prompts[3:4], completions[:3], pad_id=0)
-    mask, pos = padded_causal_mask(attn)
-    with torch.no_grad():
-        plain = model(ids, pos, mask)[:, Lp - 1:Lp - 1 + cids.shape[1]]
-        assert torch.equal(completion_hidden(model, ids, attn, Lp), plain)
+    seen = forward_shapes(model, monkeypatch)
+    completion_hidden(model, ids, attn, Lp)
+    assert seen == [tuple(ids.shape)]  # one pass over the full rows
 
 
 def test_prefix_rows_without_a_mask_raise(hf_checkpoint):
