@@ -11,6 +11,7 @@ import rlcore.rollout.engine as engine
 from rlcore.model import KVCache, ModelConfig, Transformer, padded_causal_mask
 from rlcore.rollout import Rollout, generate
 from rlcore.rollout.engine import decode_one_token, prefill
+from rlcore.rollout.packed import PackedDecoder
 
 PAD = 0
 
@@ -103,8 +104,10 @@ def test_full_logprobs_under_filters_equal_training_forward_logprobs(filters):
     assert (out.full_logprobs[~m] == 0).all()
 
 
-def test_cached_decoding_equals_full_recomputation():
+@pytest.mark.parametrize("decoder", ["module", "packed"])
+def test_cached_decoding_equals_full_recomputation(decoder):
     model = rlcore_model(make_hf_model("llama"))
+    packed = PackedDecoder(model, 2)
     prompts = random_prompts([7, 3], seed=3)
     steps = random_prompts([6, 6], seed=4)  # the tokens fed after each prompt
     T = 7
@@ -119,13 +122,57 @@ def test_cached_decoding_equals_full_recomputation():
             S = T + t + 1
             view = KVCache(cache.k[:, :, :, :S], cache.v[:, :, :, :S])
             tokens = torch.tensor([steps[0][t], steps[1][t]])
-            cached.append(decode_one_token(model, tokens, positions + t, view, valid[..., :S],
-                                           T + t, torch.empty(2, 128)).clone())
+            if decoder == "packed":
+                cached.append(packed(tokens, positions + t, view, valid[..., :S], T + t))
+            else:
+                cached.append(decode_one_token(model, tokens, positions + t, view, valid[..., :S],
+                                               T + t, torch.empty(2, 128)).clone())
         for i in range(2):
             full = model.logits(model(torch.tensor([prompts[i] + steps[i]])))[0]
             recomputed = full[len(prompts[i]) - 1:]
             torch.testing.assert_close(torch.stack([c[i] for c in cached]), recomputed,
                                        rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("qwen2", {}), ("qwen3_tied", {}), ("llama3_rope", {}),
+    ("llama", {"attention_bias": True, "mlp_bias": True}),
+])
+def test_packed_decoder_matches_module_decoding_step(family, overrides):
+    """The packed step against the model's own forward, on the batch it was packed for, on a
+    smaller one (MKL's fallback after finished rows are dropped), and without a mask when no
+    row is padded; in fp32 (MKL-packed where available) and in bf16 (transposed weights)."""
+    model = rlcore_model(make_hf_model(family, **overrides))
+    cfg = model.config
+    B, S = 6, 9
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(2, 128, (B,), generator=g)
+    positions = torch.tensor([8, 8, 5, 8, 3, 8])
+    valid = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    valid[2, ..., :3] = valid[4, ..., :5] = False  # rows 2 and 4 have left padding
+    for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        m = model.to(dtype)
+        cache = KVCache.empty(cfg, B, S, dtype)
+        cache.k.normal_(generator=g)
+        cache.v.normal_(generator=g)
+        packed = PackedDecoder(m, B)
+        for rows in (torch.arange(B), torch.tensor([0, 2, 3, 4])):
+            ref_cache = KVCache(cache.k[:, rows].clone(), cache.v[:, rows].clone())
+            with torch.no_grad():
+                ref = decode_one_token(m, tokens[rows], positions[rows], ref_cache, valid[rows],
+                                       S - 1, torch.empty(len(rows), 128)).clone()
+            got_cache = KVCache(cache.k[:, rows].clone(), cache.v[:, rows].clone())
+            got = packed(tokens[rows], positions[rows], got_cache, valid[rows], S - 1)
+            torch.testing.assert_close(got, ref, rtol=0, atol=atol * ref.abs().max().item())
+            torch.testing.assert_close(got_cache.k, ref_cache.k, rtol=0, atol=atol)
+            torch.testing.assert_close(got_cache.v, ref_cache.v, rtol=0, atol=atol)
+        unpadded = torch.tensor([0, 1, 3, 5])  # no padding: mask None must equal an all-True mask
+        c1 = KVCache(cache.k[:, unpadded].clone(), cache.v[:, unpadded].clone())
+        c2 = KVCache(cache.k[:, unpadded].clone(), cache.v[:, unpadded].clone())
+        torch.testing.assert_close(packed(tokens[unpadded], positions[unpadded], c1, None, S - 1),
+                                   packed(tokens[unpadded], positions[unpadded], c2, valid[unpadded], S - 1),
+                                   rtol=0, atol=atol)
+    model.float()
 
 
 def test_stops_at_eos_and_keeps_it_in_the_mask():

@@ -2,7 +2,8 @@
 
     prefill          each distinct prompt once, left-padded so every prompt ends at slot T-1
     expand           copy each prompt's keys/values to its G rows of the static cache
-    decode_one_token all unfinished rows together, one token per step
+    decode_one_token all unfinished rows together, one token per step (on CPU: `PackedDecoder`,
+                     the same step from weights laid out once per rollout, see packed.py)
     generate         the loop: sample, record, stop rows, compact the batch, repeat
 
 Cache layout: plain tensors `[L, B, H_kv, T + max_new_tokens - 1, D]`. Prompts are left-padded
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from rlcore.model import KVCache, Transformer, padded_causal_mask
+from rlcore.rollout.packed import PackedDecoder
 from rlcore.rollout.sampling import check_sampling_args, sample
 
 CHECK_EVERY = 8         # steps between "are all rows done?" checks (each one is a host sync)
@@ -149,7 +151,9 @@ def generate(
     longest_stop = max([1] + [len(s) for s in stop_sequences])
     positions = prompt_len.clone()
     logits = first_logits[which]
-    logits_buf = torch.empty_like(logits)
+    packed = PackedDecoder(model, N) if device.type == "cpu" else None
+    logits_buf = torch.empty_like(logits) if packed is None else None
+    padded = not bool(valid.all())  # else a decoding step's single query needs no mask at all
     has_full = False
 
     for t in range(max_new_tokens):
@@ -185,8 +189,11 @@ def generate(
                 tok = tok[keep]
         S = T + t + 1  # slots 0..T+t are filled once this token is written at slot T+t
         view = KVCache(cache.k[:, :, :, :S], cache.v[:, :, :, :S])
-        logits = decode_one_token(model, tok, positions, view, valid[..., :S], T + t,
-                                  logits_buf[:len(rows)])
+        if packed is not None:
+            logits = packed(tok, positions, view, valid[..., :S] if padded else None, T + t)
+        else:
+            logits = decode_one_token(model, tok, positions, view, valid[..., :S], T + t,
+                                      logits_buf[:len(rows)])
         positions = positions + 1
 
     lengths = written.sum(1)
