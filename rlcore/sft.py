@@ -30,19 +30,29 @@ def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
 
 
 def completion_logprobs(model: Transformer, ids, attn, Lp: int, completion_ids,
-                        temperature: float = 1.0, bf16_autocast: bool = False):
+                        temperature: float = 1.0, bf16_autocast: bool = False,
+                        shared: "SharedPrompts | None" = None):
     """Log-probs and entropies `[B, Tc]` of the completion tokens under `model`.
 
     ids/attn `[B, Lp + Tc]` as `pack` builds them. Rows with the same prompt (GRPO's G samples)
-    share one forward pass over it; see `completion_hidden`.
+    share one forward pass over it; see `completion_hidden`. With `shared`, the prompts' pass is
+    the one `shared` ran for several micro-batches, this one's among them.
     With `bf16_autocast` (GPU) the transformer body runs under bf16 autocast while the
     log-probs are computed from fp32 hidden states and the fp32 output weight.
     """
     with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16_autocast):
-        h = completion_hidden(model, ids, attn.to(ids.device), Lp)
+        if shared is None:
+            h = completion_hidden(model, ids, attn.to(ids.device), Lp)
+        else:
+            h = shared.completion_hidden(ids, attn.to(ids.device))
     if bf16_autocast:
         h = h.float()
     return token_logprobs(h, model.lm_head_weight, completion_ids, temperature)
+
+
+def _prompt_keys(ids, attn, Lp: int):
+    """`[B, Lp]` prompt ids with -1 on padding, so equal keys mean equal (left-padded) prompts."""
+    return ids[:, :Lp].masked_fill(attn[:, :Lp] == 0, -1)
 
 
 def completion_hidden(model: Transformer, ids, attn, Lp: int):
@@ -56,8 +66,7 @@ def completion_hidden(model: Transformer, ids, attn, Lp: int):
     """
     Tc = ids.shape[1] - Lp
     mask, pos = padded_causal_mask(attn)
-    prompts = ids[:, :Lp].masked_fill(attn[:, :Lp] == 0, -1)  # -1 marks padding: no collision with an id
-    distinct, rows = torch.unique(prompts, dim=0, return_inverse=True)
+    distinct, rows = torch.unique(_prompt_keys(ids, attn, Lp), dim=0, return_inverse=True)
     if len(distinct) == len(ids):  # nothing to share
         return model(ids, pos, mask)[:, Lp - 1:Lp - 1 + Tc]
     # Distinct prompts keep their rows' left padding, so mask columns 0..Lp-1 line up with them.
@@ -66,6 +75,63 @@ def completion_hidden(model: Transformer, ids, attn, Lp: int):
     h_prompt = model(distinct.clamp(min=0), p_pos, p_mask, prefix=prefix)
     h_completion = model(ids[:, Lp:], pos[:, Lp:], mask[:, :, Lp:], prefix=prefix, prefix_rows=rows)
     return torch.cat((h_prompt[rows, -1:], h_completion[:, :Tc - 1]), dim=1)
+
+
+class SharedPrompts:
+    """One forward pass over the distinct prompts of several micro-batches, shared by all of them.
+
+    `completion_hidden` shares a prompt among the rows of one micro-batch; an optimizer step of
+    GA micro-batches of shuffled rows meets each prompt in several of them. This runs each
+    distinct prompt of the whole step once. The micro-batches attend to detached copies of its
+    keys/values (and of the last prompt position's hidden state), whose gradients accumulate
+    over their backward passes; `backward()`, called once after the last one, sends the sum on
+    through the prompt pass. The parameters' gradients are then those of running every row in
+    full: gradients add, and the prompt pass's weights are the same in every micro-batch
+    (the optimizer steps only after the group).
+
+        shared = SharedPrompts.build(model, ids[group], attn[group], Lp)  # None: nothing repeats
+        for r in micro_batches_of_group:
+            completion_logprobs(model, ids[r], attn[r], Lp, cids[r], shared=shared) ... backward()
+        shared.backward()
+    """
+
+    def __init__(self, model: Transformer, distinct: torch.Tensor, Lp: int):
+        self.model, self.distinct, self.Lp = model, distinct, Lp
+        prefix = PrefixKV()
+        p_mask, p_pos = padded_causal_mask((distinct >= 0).long())
+        h = model(distinct.clamp(min=0), p_pos, p_mask, prefix=prefix)
+        self.outputs = [h[:, -1]] + prefix.k + prefix.v  # the prompt pass's graph ends here
+        self.inputs = [o.detach().requires_grad_(o.requires_grad) for o in self.outputs]
+        n = len(prefix.k)
+        self.last, self.prefix = self.inputs[0], PrefixKV(self.inputs[1:1 + n], self.inputs[1 + n:])
+
+    @classmethod
+    def build(cls, model: Transformer, ids, attn, Lp: int, bf16_autocast: bool = False):
+        """For the rows `ids`/`attn` `[n, Lp + Tc]` of the micro-batches that will share it;
+        None when no prompt repeats (then sharing saves nothing)."""
+        distinct = torch.unique(_prompt_keys(ids, attn, Lp), dim=0)
+        if len(distinct) == len(ids):
+            return None
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16_autocast):
+            return cls(model, distinct, Lp)
+
+    def completion_hidden(self, ids, attn):
+        """`completion_hidden` for micro-batch rows `[B, Lp + Tc]` whose prompts were given."""
+        Lp, Tc = self.Lp, ids.shape[1] - self.Lp
+        same = (_prompt_keys(ids, attn, Lp)[:, None] == self.distinct[None]).all(-1)  # [B, P]
+        if not same.any(1).all():
+            raise ValueError("a row's prompt is not among the prompts this SharedPrompts ran")
+        rows = same.int().argmax(1)
+        mask, pos = padded_causal_mask(attn)
+        h = self.model(ids[:, Lp:], pos[:, Lp:], mask[:, :, Lp:], prefix=self.prefix, prefix_rows=rows)
+        return torch.cat((self.last[rows, None], h[:, :Tc - 1]), dim=1)
+
+    def backward(self) -> None:
+        """Back-propagate the gradients the micro-batches left on the shared keys/values."""
+        pairs = [(o, i.grad) for o, i in zip(self.outputs, self.inputs) if i.grad is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        self.outputs = self.inputs = self.prefix = self.last = None  # free the graph
 
 
 def sft(model: Transformer, prompts: list[list[int]], completions: list[list[int]], *,

@@ -37,7 +37,7 @@ from rlcore.losses.metrics import rollout_mismatch
 from rlcore.losses.policy import mask_truncated, policy_loss, tis_weights
 from rlcore.rewards import get_reward_funcs
 from rlcore.rollout import generate
-from rlcore.sft import completion_logprobs, pack
+from rlcore.sft import SharedPrompts, completion_logprobs, pack
 from rlcore.tasks import TASK_REWARD, unique_problems
 from rlcore.tokenizer import Tokenizer, check_vocab_fits
 
@@ -325,7 +325,11 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                 if k % GA == 0:
                     step_tokens = distributed.sum_over_ranks(
                         sum(mask[micro[j]].sum() for j in range(k, k + GA)).item(), world, device)
-                logp, entropy = completion_logprobs(model, ids[r], attn[r], Lp, cids[r], rc.temperature, amp)
+                    # Each distinct prompt of this optimizer step's micro-batches runs forward once.
+                    group = torch.cat(micro[k:k + GA])
+                    shared = SharedPrompts.build(model, ids[group], attn[group], Lp, amp)
+                logp, entropy = completion_logprobs(model, ids[r], attn[r], Lp, cids[r], rc.temperature, amp,
+                                                    shared)
                 l, m = policy_loss(
                     logp, logp.detach() if old is None else old[r], adv[r], mask[r],
                     loss=lc.policy_loss, importance_sampling_level=lc.importance_sampling_level,
@@ -343,6 +347,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
 
                 # Optimizer step. A non-finite loss or gradient skips it (and is counted). The
                 # averaged gradient is the same on every rank, so every rank decides the same.
+                if shared is not None:
+                    shared.backward()  # the prompts' pass, with the gradients its micro-batches left
                 distributed.average_gradients(model, world)
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm or math.inf)
                 finite = math.isfinite(grad_norm.item())

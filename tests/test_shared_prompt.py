@@ -1,4 +1,5 @@
-"""Rows that repeat a prompt share one forward pass over it (`completion_hidden`, `PrefixKV`).
+"""Rows that repeat a prompt share one forward pass over it (`completion_hidden`, `PrefixKV`),
+within a micro-batch or across the micro-batches of an optimizer step (`SharedPrompts`).
 
 The oracle is each row run on its own, unpadded: its log-probs from transformers, its gradients
 from rlcore's plain forward pass. Sharing must change neither.
@@ -9,7 +10,7 @@ import torch
 
 from rlcore.checkpoint import load_model
 from rlcore.model import PrefixKV
-from rlcore.sft import completion_hidden, completion_logprobs, pack
+from rlcore.sft import SharedPrompts, completion_hidden, completion_logprobs, pack
 
 # Three prompts of different lengths, repeated unevenly, with ragged completions.
 LENGTHS_P, LENGTHS_C = (5, 9, 3), (4, 7, 1, 7, 2, 6)
@@ -99,3 +100,65 @@ def test_prefix_rows_without_a_mask_raise(hf_checkpoint):
     model(torch.ones(1, 3, dtype=torch.long), prefix=prefix)
     with pytest.raises(ValueError, match="mask"):
         model(torch.ones(2, 2, dtype=torch.long), prefix=prefix, prefix_rows=torch.zeros(2, dtype=torch.long))
+
+
+# Two micro-batches of one optimizer step, as the loop cuts them from a shuffled round: rows
+# (0, 3, 5) and (1, 2, 4) of `batch()`; prompt 0 is in both, prompt 1 too, prompt 2 in one.
+MICRO = (torch.tensor([0, 3, 5]), torch.tensor([1, 2, 4]))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2_tied", "qwen3"])
+def test_prompts_shared_across_micro_batches_match_transformers_per_row(family, hf_checkpoint):
+    path, hf = hf_checkpoint(family)
+    model = load_model(path)
+    prompts, completions = batch()
+    ids, attn, cids, cmask, Lp = pack(prompts, completions, pad_id=0)
+    with torch.no_grad():
+        shared = SharedPrompts.build(model, ids, attn, Lp)
+        logp = torch.zeros(cids.shape)
+        for r in MICRO:
+            logp[r] = completion_logprobs(model, ids[r], attn[r], Lp, cids[r], shared=shared)[0]
+        ref = per_row_logprobs(lambda x: hf(input_ids=x).logits, prompts, completions)
+    assert ((logp.double() - ref) * cmask).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_prompts_shared_across_micro_batches_give_per_row_gradients_fp64(family, hf_checkpoint):
+    """Each micro-batch backward()s on its own, as in the loop; then shared.backward() once.
+    Without that last call the prompt pass gets no gradient and this fails."""
+    model = load_model(hf_checkpoint(family)[0]).double()
+    prompts, completions = batch(seed=1)
+    ids, attn, cids, cmask, Lp = pack(prompts, completions, pad_id=0)
+    weights = torch.randn(cids.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * cmask
+
+    shared = SharedPrompts.build(model, ids, attn, Lp)
+    for r in MICRO:
+        logp = completion_logprobs(model, ids[r], attn[r], Lp, cids[r], shared=shared)[0]
+        (logp * weights[r]).sum().backward()
+    shared.backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    per_row = torch.autograd.grad((per_row_logprobs(lambda x: model.logits(model(x)), prompts, completions)
+                                   * weights).sum(), list(model.parameters()))
+    for (name, _), a, b in zip(model.named_parameters(), got, per_row):
+        assert (a - b).abs().max() <= 1e-6 * b.abs().max() + 1e-12, name  # see the test above
+
+
+def test_shared_prompts_run_each_distinct_prompt_of_the_step_once(hf_checkpoint, monkeypatch):
+    model = load_model(hf_checkpoint("qwen2")[0])
+    ids, attn, cids, cmask, Lp = pack(*batch(), pad_id=0)
+    seen = forward_shapes(model, monkeypatch)
+    shared = SharedPrompts.build(model, ids, attn, Lp)
+    for r in MICRO:
+        shared.completion_hidden(ids[r], attn[r])
+    # 3 distinct prompts once, then 3 + 3 completions; per micro-batch it would be 2 + 3 prompts.
+    assert seen == [(3, Lp), (3, ids.shape[1] - Lp), (3, ids.shape[1] - Lp)]
+
+
+def test_shared_prompts_none_without_repeats_and_foreign_rows_raise(hf_checkpoint):
+    model = load_model(hf_checkpoint("qwen2")[0])
+    prompts, completions = batch()
+    ids, attn, cids, cmask, Lp = pack(prompts, completions, pad_id=0)
+    assert SharedPrompts.build(model, ids[[0, 1, 3]], attn[[0, 1, 3]], Lp) is None  # 3 distinct prompts
+    shared = SharedPrompts.build(model, ids[[0, 2]], attn[[0, 2]], Lp)  # prompt 0 twice
+    with pytest.raises(ValueError, match="not among the prompts"):
+        shared.completion_hidden(ids[[1]], attn[[1]])
