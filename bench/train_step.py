@@ -2,6 +2,7 @@
 
     flock /tmp/rlcore-bench.lock python bench/train_step.py [--trl-steps 2] [--rlcore-steps 3]
                                                             [--side both|trl|rlcore] [--trl-grad-ckpt]
+                                                            [--bf16]
 
 Setup (issue 5, same model shape as bench/rollout.py), written into a temp dir by this script:
   model       random Qwen2ForCausalLM, hidden 512, 8 layers, 8 heads / 2 KV heads, intermediate 1408,
@@ -27,10 +28,16 @@ metrics.jsonl (written at the end of each step), split by the step's own time/ro
 time/scoring, time/old_logp and time/update. TRL steps take minutes on 2 cores, hence 2 TRL steps
 (one timed) by default.
 
-TRL runs with GRPOConfig defaults except as set in `run_trl`, and one deliberate change:
-gradient_checkpointing=False. GRPOConfig defaults it to True, which recomputes every forward in
+TRL runs with GRPOConfig defaults except as set in `run_trl`, and two deliberate changes:
+bf16=False (GRPOConfig defaults it to True; the model is fp32 and rlcore computes in fp32, so
+both sides run fp32) and gradient_checkpointing=False. GRPOConfig defaults it to True, which recomputes every forward in
 backward; rlcore does not checkpoint, so off is the like-for-like comparison. --trl-grad-ckpt
 measures TRL's default instead (on an idle 2-core machine: 57.8 s/step instead of 53.5).
+--bf16 runs both sides in mixed precision instead: TRL with bf16=True (its default: bf16
+autocast over the fp32 model) and rlcore with train.bf16=true (bf16 autocast for the training
+forwards, log-probs still from fp32 hidden states and weights, and a bf16 rollout). That pays
+only on a CPU with bf16 matrix units (AMX): on this project's machine a 2048^3 bf16 matmul runs
+at 630-1100 GFLOP/s against ~210 in fp32.
 
 The load average before and after each side is printed. Other work on the machine slows both
 sides, decoding most (many small multi-threaded ops, each waiting at an OpenMP barrier for a
@@ -118,7 +125,7 @@ def after_warmup(times: list[float]) -> float:
 
 # ----------------------------------------------------------------------------- TRL
 
-def run_trl(d: Path, steps: int, grad_ckpt: bool) -> dict:
+def run_trl(d: Path, steps: int, grad_ckpt: bool, bf16: bool) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
@@ -139,7 +146,7 @@ def run_trl(d: Path, steps: int, grad_ckpt: bool) -> dict:
 
     out = d / "trl_out"
     args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=BATCH, gradient_accumulation_steps=GA,
-                      num_generations=G, max_completion_length=MAX_NEW, beta=0.0, use_cpu=True, bf16=False,
+                      num_generations=G, max_completion_length=MAX_NEW, beta=0.0, use_cpu=True, bf16=bf16,
                       report_to="none", logging_steps=1, max_steps=steps, save_strategy="no", use_vllm=False,
                       temperature=1.0, disable_dropout=True, learning_rate=1e-6, seed=0,
                       gradient_checkpointing=grad_ckpt, dataloader_num_workers=0)
@@ -179,7 +186,7 @@ def run_trl(d: Path, steps: int, grad_ckpt: bool) -> dict:
 
 # ----------------------------------------------------------------------------- rlcore
 
-def run_rlcore(d: Path, steps: int) -> dict:
+def run_rlcore(d: Path, steps: int, bf16: bool) -> dict:
     import torch
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "bench"))  # so the reward resolves as train_step:bench_reward
@@ -194,6 +201,7 @@ def run_rlcore(d: Path, steps: int) -> dict:
         f"train.per_device_train_batch_size={BATCH}", f"train.gradient_accumulation_steps={GA}",
         f"train.max_steps={steps}", f"train.output_dir={out}", "train.learning_rate=1e-6", "train.device=cpu",
         "train.seed=0", "loss.beta=0.0", "loss.reward_funcs=[\"train_step:bench_reward\"]",
+        f"train.bf16={str(bf16).lower()}",
     ])
     metrics = out / "metrics.jsonl"
     marks, done = [], threading.Event()
@@ -227,12 +235,14 @@ def run_rlcore(d: Path, steps: int) -> dict:
 
 # ----------------------------------------------------------------------------- driver
 
-def side(name: str, d: Path, steps: int, grad_ckpt: bool, threads: int) -> dict:
+def side(name: str, d: Path, steps: int, grad_ckpt: bool, threads: int, bf16: bool) -> dict:
     """Run one side in a fresh interpreter; its result is the last stdout line (JSON)."""
     cmd = [sys.executable, __file__, "--worker", name, "--dir", str(d), "--steps", str(steps),
            "--threads", str(threads)]
     if grad_ckpt:
         cmd.append("--trl-grad-ckpt")
+    if bf16:
+        cmd.append("--bf16")
     load = os.getloadavg()[0]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
@@ -253,6 +263,8 @@ def main() -> None:
     ap.add_argument("--side", choices=("both", "trl", "rlcore"), default="both")
     ap.add_argument("--trl-grad-ckpt", action="store_true",
                     help="TRL with its default gradient_checkpointing=True (off here: rlcore does not checkpoint)")
+    ap.add_argument("--bf16", action="store_true",
+                    help="both sides in bf16 mixed precision (TRL bf16=True, rlcore train.bf16=true)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads per side (0 = torch's default)")
     ap.add_argument("--worker", choices=("trl", "rlcore"), help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
@@ -264,27 +276,28 @@ def main() -> None:
         if a.threads:
             torch.set_num_threads(a.threads)
         d = Path(a.dir)
-        res = run_trl(d, a.steps, a.trl_grad_ckpt) if a.worker == "trl" else run_rlcore(d, a.steps)
+        res = run_trl(d, a.steps, a.trl_grad_ckpt, a.bf16) if a.worker == "trl" else run_rlcore(d, a.steps, a.bf16)
         print(json.dumps(res))
         return
 
     import torch
     print(f"cpu: {a.threads or torch.get_num_threads()} threads, {os.cpu_count()} cores, torch {torch.__version__}; "
           f"one step = 8 prompts x G={G}, prompt {PROMPT_LEN} + completion <= {MAX_NEW} tokens, "
-          f"micro-batch {BATCH} x GA {GA}, fp32; first step of each side dropped", flush=True)
+          f"micro-batch {BATCH} x GA {GA}, fp32 model, {'bf16 autocast' if a.bf16 else 'fp32 compute'}; "
+          f"first step of each side dropped", flush=True)
     res = {}
     with tempfile.TemporaryDirectory(prefix="rlcore-bench-") as tmp:
         d = Path(tmp)
         build_checkpoint(d)
         if a.side in ("both", "trl"):
-            r = res["trl"] = side("trl", d, a.trl_steps, a.trl_grad_ckpt, a.threads)
+            r = res["trl"] = side("trl", d, a.trl_steps, a.trl_grad_ckpt, a.threads, a.bf16)
             print(f"trl: {r['sec_per_step']:.2f} s/step (steps: {steps_text(r['per_step'])}), "
                   f"gradient_checkpointing={r['gradient_checkpointing']}, train_runtime {r['train_runtime']:.1f} s, "
                   f"mean completion length {r['completion_len_mean']:.1f}, "
                   f"load average {r['load'][0]:.1f} -> {r['load'][1]:.1f}", flush=True)
             print("trl phases (s/step): " + ", ".join(f"{p} {v:.2f}" for p, v in r["phases"].items()), flush=True)
         if a.side in ("both", "rlcore"):
-            r = res["rlcore"] = side("rlcore", d, a.rlcore_steps, False, a.threads)
+            r = res["rlcore"] = side("rlcore", d, a.rlcore_steps, False, a.threads, a.bf16)
             print(f"rlcore: {r['sec_per_step']:.2f} s/step wall clock (steps: {steps_text(r['per_step'])}; "
                   f"the first includes model load), mean completion length {r['completion_len_mean']:.1f}, "
                   f"load average {r['load'][0]:.1f} -> {r['load'][1]:.1f}", flush=True)

@@ -164,7 +164,7 @@ class TrainArgs:
     seed: int = 42
     """seed for the batch order, dropout-free init of new weights, and (by default) sampling"""
     bf16: bool = False
-    """bfloat16 autocast for forward passes on GPU"""
+    """bfloat16 autocast for the training forward passes and a bf16 rollout (GPU; on CPU it pays only with AMX)"""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """where to run; auto = cuda when available"""
     output_dir: str = "runs/rlcore"

@@ -227,9 +227,14 @@ class Attention(nn.Module):
         elif prefix is not None:  # a continuation: the prefix's keys/values come first
             k = torch.cat((prefix.k[layer].index_select(0, prefix_rows), k), dim=2)
             v = torch.cat((prefix.v[layer].index_select(0, prefix_rows), v), dim=2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads
-        )
+        if torch.is_autocast_enabled("cpu") and q.device.type == "cpu":
+            # CPU autocast would run attention in bf16, whose CPU kernels are slower than fp32's
+            # (3x in backward); the matmuls around it keep their bf16 speed-up.
+            q, k, v = q.float(), k.float(), v.float()
+        with torch.autocast("cpu", enabled=False):
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads
+            )
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

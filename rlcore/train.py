@@ -227,7 +227,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
     mine = slice(rank * b * S, (rank + 1) * b * S)
     steps_per_round = S * mu // GA
     off_policy = mu > 1 or S > GA
-    amp = t.bf16 and device.type == "cuda"  # bf16 autocast for the training forward passes
+    amp = t.bf16  # bf16 autocast for the training forward passes, and a bf16 rollout
 
     opt = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
                             eps=t.adam_epsilon, weight_decay=t.weight_decay)
@@ -270,7 +270,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
         ro = generate(model, [ex["prompt_ids"] for ex in rows], 1, rc.max_completion_length,
                       eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id,
                       temperature=rc.temperature, top_k=rc.top_k, top_p=rc.top_p, min_p=rc.min_p,
-                      stop_sequences=[tok.encode(s) for s in rc.stop], generator=sampler)
+                      stop_sequences=[tok.encode(s) for s in rc.stop], generator=sampler,
+                      dtype=torch.bfloat16 if amp else None)
         t_rollout = time.time() - t0
 
         # 2. Rewards and advantages, over the whole round (all ranks) before it is cut up.

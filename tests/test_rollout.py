@@ -1,6 +1,7 @@
 """The rollout engine against independent references: transformers' greedy `generate`, a full
 training-style forward pass without a cache, and the stopping rules stated in its docstring."""
 
+import copy
 import json
 
 import pytest
@@ -45,8 +46,16 @@ def training_logprobs(model, out: Rollout, temperature: float) -> torch.Tensor:
     return result
 
 
+@pytest.fixture(params=["packed", "module"])
+def decoder(request, monkeypatch):
+    """Run `generate` with each decoding step: PackedDecoder (CPU default) and the model's
+    forward (`decode_one_token`, the GPU path)."""
+    monkeypatch.setattr(engine, "use_packed_decoder", lambda device: request.param == "packed")
+    return request.param
+
+
 @pytest.mark.parametrize("family", ["qwen2", "llama_tied", "qwen3"])
-def test_greedy_matches_transformers_generate(family):
+def test_greedy_matches_transformers_generate(family, decoder):
     hf = make_hf_model(family)
     model = rlcore_model(hf)
     prompts = random_prompts([5, 2, 9, 4])
@@ -75,7 +84,7 @@ def test_greedy_samples_of_a_prompt_are_identical_and_prompt_major():
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3_tied"])
-def test_rollout_logprobs_equal_training_forward_logprobs(family):
+def test_rollout_logprobs_equal_training_forward_logprobs(family, decoder):
     """Train/rollout parity: cached, batched, compacted decoding gives the trainer's numbers."""
     model = rlcore_model(make_hf_model(family))
     prompts = random_prompts([6, 3, 11, 6], seed=1)
@@ -173,6 +182,30 @@ def test_packed_decoder_matches_module_decoding_step(family, overrides):
                                    packed(tokens[unpadded], positions[unpadded], c2, valid[unpadded], S - 1),
                                    rtol=0, atol=atol)
     model.float()
+
+
+def test_bf16_rollout_of_an_fp32_model(decoder):
+    """dtype=bf16 (the rollout of `train.bf16`): log-probs within bf16 rounding of the fp32
+    training forward's, and not equal to them (bf16 did run); the packed step casts the fp32
+    weights exactly as converting the model to bf16 does."""
+    model = rlcore_model(make_hf_model("qwen2"))
+    prompts = random_prompts([6, 3, 11, 6], seed=1)
+    out = generate(model, prompts, 4, 40, eos_token_ids=list(range(1, 9)), pad_token_id=PAD,
+                   temperature=0.8, generator=torch.Generator().manual_seed(0), dtype=torch.bfloat16)
+    m = out.completion_mask.bool()
+    diff = (out.sampling_logprobs - training_logprobs(model, out, 0.8))[m].abs()
+    assert 1e-5 < diff.max().item() < 1e-2
+    B = 3
+    tokens, positions = torch.tensor([5, 7, 9]), torch.tensor([2, 2, 2])
+    caches = [KVCache.empty(model.config, B, 3, torch.bfloat16) for _ in range(2)]
+    for c in caches:
+        c.k.normal_(generator=torch.Generator().manual_seed(1))
+        c.v.normal_(generator=torch.Generator().manual_seed(2))
+    cast = PackedDecoder(model, B, torch.bfloat16)(tokens, positions, caches[0], None, 2)
+    bf16_model = copy.deepcopy(model).to(torch.bfloat16)
+    bf16_model.inv_freq = model.inv_freq  # fp32, as load_model(dtype=bf16) keeps it
+    converted = PackedDecoder(bf16_model, B)(tokens, positions, caches[1], None, 2)
+    assert torch.equal(cast, converted) and torch.equal(caches[0].k, caches[1].k)
 
 
 def test_stops_at_eos_and_keeps_it_in_the_mask():

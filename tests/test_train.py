@@ -219,6 +219,20 @@ def test_mismatch_metrics_compare_engine_and_trainer_logprobs(tmp_path, monkeypa
         assert r["mismatch/k3"] == pytest.approx(math.exp(c) - 1 - c, abs=1e-4)
 
 
+def test_bf16_on_cpu_trains_with_a_bf16_rollout(tmp_path):
+    # train.bf16: rollout in bf16, trainer forwards under bf16 autocast (log-probs in fp32). With
+    # mu = 2 the loop measures engine vs trainer log-probs: in fp32 they agree to ~1e-6 (the
+    # test above), in bf16 they differ by bf16 rounding, which shows both ran in bf16.
+    run = tmp_path / "run"
+    train(config(run, "train.max_steps=2", "loss.num_iterations=2", "train.bf16=true"))
+    got = rows(run)
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and not r["skipped"] for r in got)
+    assert all(1e-4 < r["mismatch/abs_mean"] < 0.1 for r in got), [r["mismatch/abs_mean"] for r in got]
+    fp32 = tmp_path / "fp32"
+    train(config(fp32, "train.max_steps=2", "loss.num_iterations=2"))
+    assert all(r["mismatch/abs_mean"] < 1e-4 for r in rows(fp32))
+
+
 # ----------------------------------------------------------------------------- resume and crashes
 
 class Killed(BaseException):

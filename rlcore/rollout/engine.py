@@ -43,13 +43,22 @@ class Rollout:
     full_logprobs: torch.Tensor | None  # [N, T] fp32, under the full distribution; only with a filter
 
 
-def prefill(model: Transformer, prompts: list[list[int]]) -> tuple[KVCache, torch.Tensor]:
-    """Run the prompts once as one left-padded batch.
+def use_packed_decoder(device: torch.device) -> bool:
+    """Decode with `PackedDecoder` (weights laid out once per rollout) on CPU, where a step's
+    small matmuls pay for re-blocking the weights on every call; the model's forward elsewhere."""
+    return device.type == "cpu"
 
-    Returns a cache `[L, P, H_kv, T, D]` (T = longest prompt; slots of padding hold garbage and
-    stay masked) and fp32 logits `[P, V]` for the first completion token.
+
+def prefill(model: Transformer, prompts: list[list[int]],
+            dtype: torch.dtype | None = None) -> tuple[KVCache, torch.Tensor]:
+    """Run the prompts once as one left-padded batch, under autocast to `dtype` when that is
+    not the model's dtype.
+
+    Returns a cache `[L, P, H_kv, T, D]` in `dtype` (T = longest prompt; slots of padding hold
+    garbage and stay masked) and fp32 logits `[P, V]` for the first completion token.
     """
     device = model.inv_freq.device
+    dtype = dtype or model.lm_head_weight.dtype
     P, T = len(prompts), max(len(p) for p in prompts)
     ids = torch.zeros(P, T, dtype=torch.long)
     real = torch.zeros(P, T, dtype=torch.long)
@@ -58,10 +67,11 @@ def prefill(model: Transformer, prompts: list[list[int]]) -> tuple[KVCache, torc
         real[i, T - len(p):] = 1
     ids, real = ids.to(device), real.to(device)
     mask, positions = padded_causal_mask(real)
-    cache = KVCache.empty(model.config, P, T, model.lm_head_weight.dtype, device)
+    cache = KVCache.empty(model.config, P, T, dtype, device)
     slots = torch.arange(T, device=device).expand(P, T)
-    h = model(ids, positions, mask, cache, slots)
-    return cache, (h[:, -1] @ model.lm_head_weight.T).float()
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype != model.lm_head_weight.dtype):
+        h = model(ids, positions, mask, cache, slots)
+        return cache, (h[:, -1] @ model.lm_head_weight.T).float()
 
 
 def decode_one_token(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor,
@@ -76,7 +86,7 @@ def decode_one_token(model: Transformer, tokens: torch.Tensor, positions: torch.
     slots = torch.full((B, 1), slot, dtype=torch.long, device=tokens.device)
     h = model(tokens[:, None], positions[:, None], mask, cache, slots)[:, -1]
     w = model.lm_head_weight
-    if w.dtype == torch.float32:
+    if w.dtype == torch.float32 and not torch.is_autocast_enabled(h.device.type):
         return torch.mm(h, w.T, out=logits_out)
     return logits_out.copy_(h @ w.T)
 
@@ -106,11 +116,14 @@ def generate(
     min_p: float = 0.0,
     stop_sequences: list[list[int]] = (),
     generator: torch.Generator | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Rollout:
     """Sample `num_generations` completions of at most `max_new_tokens` for each prompt.
 
     A row stops after any id in `eos_token_ids` or any of `stop_sequences` (both are kept in
     the completion and its mask). `generator` seeds sampling (same seed, same completions).
+    `dtype` (default: the model's) is the compute dtype: bf16 for an fp32 model runs the
+    rollout under bf16 autocast, with a bf16 KV cache (and on CPU bf16 copies of the weights).
     """
     check_sampling_args(temperature, top_k, top_p, min_p)
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -128,7 +141,8 @@ def generate(
     for p in prompts:
         distinct.setdefault(tuple(p), len(distinct))
     which = torch.tensor([distinct[tuple(p)] for p in prompts for _ in range(G)], device=device)
-    prompt_cache, first_logits = prefill(model, [list(p) for p in distinct])
+    dtype = dtype or model.lm_head_weight.dtype
+    prompt_cache, first_logits = prefill(model, [list(p) for p in distinct], dtype)
     T = prompt_cache.k.shape[3]
     cache = KVCache.empty(model.config, N, T + max_new_tokens - 1, prompt_cache.k.dtype, device)
     cache.k[:, :, :, :T] = prompt_cache.k[:, which]
@@ -151,7 +165,8 @@ def generate(
     longest_stop = max([1] + [len(s) for s in stop_sequences])
     positions = prompt_len.clone()
     logits = first_logits[which]
-    packed = PackedDecoder(model, N) if device.type == "cpu" else None
+    packed = PackedDecoder(model, N, dtype) if use_packed_decoder(device) else None
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != model.lm_head_weight.dtype)
     logits_buf = torch.empty_like(logits) if packed is None else None
     padded = not bool(valid.all())  # else a decoding step's single query needs no mask at all
     has_full = False
@@ -192,8 +207,9 @@ def generate(
         if packed is not None:
             logits = packed(tok, positions, view, valid[..., :S] if padded else None, T + t)
         else:
-            logits = decode_one_token(model, tok, positions, view, valid[..., :S], T + t,
-                                      logits_buf[:len(rows)])
+            with autocast:
+                logits = decode_one_token(model, tok, positions, view, valid[..., :S], T + t,
+                                          logits_buf[:len(rows)])
         positions = positions + 1
 
     lengths = written.sum(1)

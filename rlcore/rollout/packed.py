@@ -39,8 +39,7 @@ def mkl_packing_available() -> bool:
 
 def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, batch: int) -> Linear:
     """`x [B, in] -> x @ weight.T + bias`, with `weight [out, in]` laid out once for B rows."""
-    weight = weight.detach().contiguous()
-    bias = None if bias is None else bias.detach()
+    weight, bias = weight.detach().contiguous(), None if bias is None else bias.detach()
     if weight.dtype == torch.float32 and mkl_packing_available():
         packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, batch)
         return lambda x: torch.ops.mkl._mkl_linear(x, packed, weight, bias, batch)
@@ -48,11 +47,6 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, batch: int) -> 
     if bias is None:
         return lambda x: x @ weight_t
     return lambda x: torch.addmm(bias, x, weight_t)
-
-
-def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
-    biases = [lin.bias for lin in linears]
-    return None if biases[0] is None else torch.cat(biases).detach()
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -68,31 +62,42 @@ class PackedDecoder:
     Same contract as `rlcore.rollout.engine.decode_one_token` (all rows write at cache slot
     `slot`; `cache` covers slots 0..slot), except that `mask` `[B, 1, 1, S]` may be None when no
     row has padding. Build it from the model as it is for this rollout: it copies the weights,
-    so later updates to the model do not reach it.
+    so later updates to the model do not reach it. `dtype` (default: the model's) is the dtype
+    of those copies and of the whole step, e.g. bf16 for an fp32 model trained under bf16
+    autocast, as vLLM serves such a model in TRL or verl.
     """
 
-    def __init__(self, model: Transformer, batch: int):
+    def __init__(self, model: Transformer, batch: int, dtype: torch.dtype | None = None):
         cfg = model.config
+        dtype = dtype or model.lm_head_weight.dtype
+
+        def cast(w: torch.Tensor | None) -> torch.Tensor | None:
+            return None if w is None else w.detach().to(dtype)
+
+        def linear(weights, biases) -> Linear:
+            bias = None if biases[0] is None else torch.cat([cast(b) for b in biases])
+            weight = cast(weights[0]) if len(weights) == 1 else torch.cat([cast(w) for w in weights])
+            return pack_linear(weight, bias, batch)
+
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.intermediate, self.eps, self.qk_norm = cfg.intermediate_size, cfg.rms_norm_eps, cfg.qk_norm
         self.inv_freq = model.inv_freq
-        self.embed = model.model.embed_tokens.weight.detach()
-        self.final_norm = model.model.norm.weight.detach()
-        self.head = pack_linear(model.lm_head_weight, None, batch)
+        self.embed = cast(model.model.embed_tokens.weight)
+        self.final_norm = cast(model.model.norm.weight)
+        self.head = linear([model.lm_head_weight], [None])
         self.layers = []
         for block in model.model.layers:
             a, mlp = block.self_attn, block.mlp
             self.layers.append(dict(
-                norm1=block.input_layernorm.weight.detach(),
-                qkv=pack_linear(torch.cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)),
-                                _cat_bias(a.q_proj, a.k_proj, a.v_proj), batch),
-                q_norm=a.q_norm.weight.detach() if self.qk_norm else None,
-                k_norm=a.k_norm.weight.detach() if self.qk_norm else None,
-                o=pack_linear(a.o_proj.weight, a.o_proj.bias, batch),
-                norm2=block.post_attention_layernorm.weight.detach(),
-                gate_up=pack_linear(torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)),
-                                    _cat_bias(mlp.gate_proj, mlp.up_proj), batch),
-                down=pack_linear(mlp.down_proj.weight, mlp.down_proj.bias, batch),
+                norm1=cast(block.input_layernorm.weight),
+                qkv=linear([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
+                           [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]),
+                q_norm=cast(a.q_norm.weight) if self.qk_norm else None,
+                k_norm=cast(a.k_norm.weight) if self.qk_norm else None,
+                o=linear([a.o_proj.weight], [a.o_proj.bias]),
+                norm2=cast(block.post_attention_layernorm.weight),
+                gate_up=linear([mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias]),
+                down=linear([mlp.down_proj.weight], [mlp.down_proj.bias]),
             ))
 
     @torch.no_grad()
