@@ -92,7 +92,8 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n = hidden.shape[0]
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(w) if need_w else None  # accumulated in fp32 across chunks
+        # accumulated in fp32 across chunks; the first chunk writes it (no rows: zeros)
+        grad_w = (torch.empty_like(w) if n else torch.zeros_like(w)) if need_w else None
         grad_b = torch.zeros_like(b) if need_b else None
         # chain rule through logits = (h @ W.T + b) / temperature, applied to the [N] upstream
         grad_logp = grad_logp.to(dtype) / temperature
@@ -111,7 +112,9 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             grad_z.scatter_add_(1, targets[rows, None], g)
             if need_h:
                 grad_h[rows] = (grad_z @ w).to(hidden.dtype)
-            if need_w:
+            if need_w and start == 0:  # written, not added: no pass to zero [V, H] first
+                torch.mm(grad_z.T, h, out=grad_w)
+            elif need_w:
                 grad_w.addmm_(grad_z.T, h)  # [V, C] x [C, H], accumulated in place
             if need_b:
                 grad_b += grad_z.sum(0)
