@@ -16,6 +16,7 @@ Everything that needs a flag is an `if` in `train()`. The helpers above it only 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -51,6 +52,27 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def reuse_freed_memory() -> bool:
+    """Make glibc's malloc keep freed memory for reuse instead of handing it back to the kernel.
+
+    Every micro-batch on CPU allocates the same large tensors again (the kept [N, V] softmax,
+    [V, H] gradients, activations). glibc serves large requests with a fresh mmap and unmaps
+    them on free, so the kernel zero-fills every page again on first touch: at the shape of
+    bench/train_step.py about 450k page faults and 1.3-1.6 s of system time per optimizer
+    step. With mmap off and trimming off, a freed block is reused as it is: 25-40k faults and
+    0.2-0.5 s, and the update 1-1.5 s faster. The cost: the process keeps its peak memory until
+    it exits. PyTorch's CPU tuning guide gets the same effect by preloading jemalloc or tcmalloc.
+    Returns False where this is not glibc (nothing changes then).
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def lr_lambda(cfg: Config, total_steps: int):
@@ -192,6 +214,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
     """
     t, lc, rc = cfg.train, cfg.loss, cfg.rollout
     rank, world, device = distributed.init(pick_device(t.device))  # (0, 1, device) without torchrun
+    if device.type == "cpu":
+        reuse_freed_memory()
     main = rank == 0  # rank 0 alone prints and writes files
     validate(cfg, world_size=world)
     run = Path(resume or t.output_dir)
