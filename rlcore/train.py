@@ -61,9 +61,10 @@ def reuse_freed_memory() -> bool:
     [V, H] gradients, activations). glibc serves large requests with a fresh mmap and unmaps
     them on free, so the kernel zero-fills every page again on first touch: at the shape of
     bench/train_step.py about 450k page faults and 1.3-1.6 s of system time per optimizer
-    step. With mmap off and trimming off, a freed block is reused as it is: 25-40k faults and
-    0.2-0.5 s, and the update 1-1.5 s faster. The cost: the process keeps its peak memory until
-    it exits. PyTorch's CPU tuning guide gets the same effect by preloading jemalloc or tcmalloc.
+    step's update. With mmap off and trimming off, a freed block is reused as it is: 25-40k
+    faults there, and in whole bench steps (3 alternating pairs, a noisy machine) the update
+    took 12.6 s on average against 13.5 s. The cost: the process keeps its peak memory until it
+    exits. PyTorch's CPU tuning guide gets the same effect by preloading jemalloc or tcmalloc.
     Returns False where this is not glibc (nothing changes then).
     """
     try:
