@@ -34,32 +34,53 @@ def per_row_logprobs(forward, prompts, completions):
     return out
 
 
+# Two micro-batches of one optimizer step, as the loop cuts them from a shuffled round: rows
+# (0, 3, 5) and (1, 2, 4) of `batch()`; prompt 0 is in both, prompt 1 too, prompt 2 in one.
+MICRO = (torch.tensor([0, 3, 5]), torch.tensor([1, 2, 4]))
+
+
+@pytest.mark.parametrize("across", [False, True], ids=["within_micro_batch", "across_micro_batches"])
 @pytest.mark.parametrize("family", ["llama", "qwen2_tied", "qwen3"])
-def test_shared_prompt_logprobs_match_transformers_per_row(family, hf_checkpoint):
+def test_shared_prompt_logprobs_match_transformers_per_row(family, across, hf_checkpoint):
     path, hf = hf_checkpoint(family)
     model = load_model(path)
     prompts, completions = batch()
     ids, attn, cids, cmask, Lp = pack(prompts, completions, pad_id=0)
     with torch.no_grad():
-        logp, _ = completion_logprobs(model, ids, attn, Lp, cids)
+        if across:  # SharedPrompts over the step, then each micro-batch on its own
+            shared = SharedPrompts.build(model, ids, attn, Lp)
+            logp = torch.zeros(cids.shape)
+            for r in MICRO:
+                logp[r] = completion_logprobs(model, ids[r], attn[r], Lp, cids[r], shared=shared)[0]
+        else:
+            logp, _ = completion_logprobs(model, ids, attn, Lp, cids)
         ref = per_row_logprobs(lambda x: hf(input_ids=x).logits, prompts, completions)
     assert ((logp.double() - ref) * cmask).abs().max().item() <= 1e-4
     assert torch.isfinite(logp).all()  # padding positions too: they are masked, never NaN
 
 
+@pytest.mark.parametrize("across", [False, True], ids=["within_micro_batch", "across_micro_batches"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_shared_prompt_gradients_match_per_row_passes_fp64(family, hf_checkpoint):
+def test_shared_prompt_gradients_match_per_row_passes_fp64(family, across, hf_checkpoint):
+    """Across micro-batches, each one backward()s on its own, as in the loop, then
+    shared.backward() once; without that last call the prompt pass gets no gradient and this
+    fails."""
     model = load_model(hf_checkpoint(family)[0]).double()
     prompts, completions = batch(seed=1)
     ids, attn, cids, cmask, Lp = pack(prompts, completions, pad_id=0)
     weights = torch.randn(cids.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * cmask
-
-    def grads(logp):
-        return torch.autograd.grad((logp * weights).sum(), list(model.parameters()))
-
-    shared = grads(completion_logprobs(model, ids, attn, Lp, cids)[0])
-    per_row = grads(per_row_logprobs(lambda x: model.logits(model(x)), prompts, completions))
-    for (name, _), a, b in zip(model.named_parameters(), shared, per_row):
+    if across:
+        shared = SharedPrompts.build(model, ids, attn, Lp)
+        for r in MICRO:
+            logp = completion_logprobs(model, ids[r], attn[r], Lp, cids[r], shared=shared)[0]
+            (logp * weights[r]).sum().backward()
+        shared.backward()
+    else:
+        (completion_logprobs(model, ids, attn, Lp, cids)[0] * weights).sum().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    per_row = torch.autograd.grad((per_row_logprobs(lambda x: model.logits(model(x)), prompts, completions)
+                                   * weights).sum(), list(model.parameters()))
+    for (name, _), a, b in zip(model.named_parameters(), got, per_row):
         # RMSNorm normalises in fp32 (as transformers does) even in fp64, so summing the rows'
         # gradients before or after it differs at fp32 rounding, ~1e-7 relative.
         assert (a - b).abs().max() <= 1e-6 * b.abs().max() + 1e-12, name
@@ -100,47 +121,6 @@ def test_prefix_rows_without_a_mask_raise(hf_checkpoint):
     model(torch.ones(1, 3, dtype=torch.long), prefix=prefix)
     with pytest.raises(ValueError, match="mask"):
         model(torch.ones(2, 2, dtype=torch.long), prefix=prefix, prefix_rows=torch.zeros(2, dtype=torch.long))
-
-
-# Two micro-batches of one optimizer step, as the loop cuts them from a shuffled round: rows
-# (0, 3, 5) and (1, 2, 4) of `batch()`; prompt 0 is in both, prompt 1 too, prompt 2 in one.
-MICRO = (torch.tensor([0, 3, 5]), torch.tensor([1, 2, 4]))
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen2_tied", "qwen3"])
-def test_prompts_shared_across_micro_batches_match_transformers_per_row(family, hf_checkpoint):
-    path, hf = hf_checkpoint(family)
-    model = load_model(path)
-    prompts, completions = batch()
-    ids, attn, cids, cmask, Lp = pack(prompts, completions, pad_id=0)
-    with torch.no_grad():
-        shared = SharedPrompts.build(model, ids, attn, Lp)
-        logp = torch.zeros(cids.shape)
-        for r in MICRO:
-            logp[r] = completion_logprobs(model, ids[r], attn[r], Lp, cids[r], shared=shared)[0]
-        ref = per_row_logprobs(lambda x: hf(input_ids=x).logits, prompts, completions)
-    assert ((logp.double() - ref) * cmask).abs().max().item() <= 1e-4
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_prompts_shared_across_micro_batches_give_per_row_gradients_fp64(family, hf_checkpoint):
-    """Each micro-batch backward()s on its own, as in the loop; then shared.backward() once.
-    Without that last call the prompt pass gets no gradient and this fails."""
-    model = load_model(hf_checkpoint(family)[0]).double()
-    prompts, completions = batch(seed=1)
-    ids, attn, cids, cmask, Lp = pack(prompts, completions, pad_id=0)
-    weights = torch.randn(cids.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * cmask
-
-    shared = SharedPrompts.build(model, ids, attn, Lp)
-    for r in MICRO:
-        logp = completion_logprobs(model, ids[r], attn[r], Lp, cids[r], shared=shared)[0]
-        (logp * weights[r]).sum().backward()
-    shared.backward()
-    got = [p.grad.clone() for p in model.parameters()]
-    per_row = torch.autograd.grad((per_row_logprobs(lambda x: model.logits(model(x)), prompts, completions)
-                                   * weights).sum(), list(model.parameters()))
-    for (name, _), a, b in zip(model.named_parameters(), got, per_row):
-        assert (a - b).abs().max() <= 1e-6 * b.abs().max() + 1e-12, name  # see the test above
 
 
 def test_shared_prompts_run_each_distinct_prompt_of_the_step_once(hf_checkpoint, monkeypatch):
