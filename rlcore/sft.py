@@ -37,7 +37,7 @@ def completion_logprobs(model: Transformer, ids, attn, Lp: int, completion_ids,
     ids/attn `[B, Lp + Tc]` as `pack` builds them. Rows with the same prompt (GRPO's G samples)
     share one forward pass over it; see `completion_hidden`. With `shared`, the prompts' pass is
     the one `shared` ran for several micro-batches, this one's among them.
-    With `bf16_autocast` (GPU) the transformer body runs under bf16 autocast while the
+    With `bf16_autocast` (GPU, or a CPU with AMX) the body runs under bf16 autocast while the
     log-probs are computed from fp32 hidden states and the fp32 output weight.
     """
     with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16_autocast):
