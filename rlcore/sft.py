@@ -106,11 +106,16 @@ class SharedPrompts:
         self.last, self.prefix = self.inputs[0], PrefixKV(self.inputs[1:1 + n], self.inputs[1 + n:])
 
     @classmethod
-    def build(cls, model: Transformer, ids, attn, Lp: int, bf16_autocast: bool = False):
-        """For the rows `ids`/`attn` `[n, Lp + Tc]` of the micro-batches that will share it;
-        None when no prompt repeats (then sharing saves nothing)."""
+    def build(cls, model: Transformer, ids, attn, Lp: int, bf16_autocast: bool = False,
+              max_prompts: int | None = None):
+        """For the rows `ids`/`attn` `[n, Lp + Tc]` of the micro-batches that will share it.
+
+        None when no prompt repeats (sharing saves nothing) or when there are more than
+        `max_prompts` distinct prompts: the prompt pass's activations are kept until the last
+        micro-batch's backward, and the loop caps them at one micro-batch's worth of prompts
+        (per_device_train_batch_size), the most a micro-batch's own prompt pass holds."""
         distinct = torch.unique(_prompt_keys(ids, attn, Lp), dim=0)
-        if len(distinct) == len(ids):
+        if len(distinct) == len(ids) or (max_prompts is not None and len(distinct) > max_prompts):
             return None
         with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16_autocast):
             return cls(model, distinct, Lp)

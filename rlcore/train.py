@@ -351,9 +351,10 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                 if k % GA == 0:
                     step_tokens = distributed.sum_over_ranks(
                         sum(mask[micro[j]].sum() for j in range(k, k + GA)).item(), world, device)
-                    # Each distinct prompt of this optimizer step's micro-batches runs forward once.
+                    # Each distinct prompt of this optimizer step's micro-batches runs forward once
+                    # (unless there are more than b of them: then each micro-batch runs its own).
                     group = torch.cat(micro[k:k + GA])
-                    shared = SharedPrompts.build(model, ids[group], attn[group], Lp, amp)
+                    shared = SharedPrompts.build(model, ids[group], attn[group], Lp, amp, max_prompts=b)
                 logp, entropy = completion_logprobs(model, ids[r], attn[r], Lp, cids[r], rc.temperature, amp,
                                                     shared)
                 l, m = policy_loss(

@@ -134,11 +134,13 @@ def test_shared_prompts_run_each_distinct_prompt_of_the_step_once(hf_checkpoint,
     assert seen == [(3, Lp), (3, ids.shape[1] - Lp), (3, ids.shape[1] - Lp)]
 
 
-def test_shared_prompts_none_without_repeats_and_foreign_rows_raise(hf_checkpoint):
+def test_shared_prompts_none_without_repeats_or_over_the_cap_and_foreign_rows_raise(hf_checkpoint):
     model = load_model(hf_checkpoint("qwen2")[0])
     prompts, completions = batch()
     ids, attn, cids, cmask, Lp = pack(prompts, completions, pad_id=0)
     assert SharedPrompts.build(model, ids[[0, 1, 3]], attn[[0, 1, 3]], Lp) is None  # 3 distinct prompts
+    assert SharedPrompts.build(model, ids, attn, Lp, max_prompts=2) is None  # 3 distinct > 2
+    assert SharedPrompts.build(model, ids, attn, Lp, max_prompts=3) is not None
     shared = SharedPrompts.build(model, ids[[0, 2]], attn[[0, 2]], Lp)  # prompt 0 twice
     with pytest.raises(ValueError, match="not among the prompts"):
         shared.completion_hidden(ids[[1]], attn[[1]])
