@@ -21,6 +21,7 @@ prompt's forward pass across its G completions with `PrefixKV` (see
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -117,11 +118,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 (as HF does), scale in the input dtype.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise in fp32 (as HF does), scale in the input dtype."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -227,11 +232,12 @@ class Attention(nn.Module):
         elif prefix is not None:  # a continuation: the prefix's keys/values come first
             k = torch.cat((prefix.k[layer].index_select(0, prefix_rows), k), dim=2)
             v = torch.cat((prefix.v[layer].index_select(0, prefix_rows), v), dim=2)
-        if torch.is_autocast_enabled("cpu") and q.device.type == "cpu":
+        cpu_amp = torch.is_autocast_enabled("cpu") and q.device.type == "cpu"
+        if cpu_amp:
             # CPU autocast would run attention in bf16, whose CPU kernels are slower than fp32's
             # (3x in backward); the matmuls around it keep their bf16 speed-up.
             q, k, v = q.float(), k.float(), v.float()
-        with torch.autocast("cpu", enabled=False):
+        with torch.autocast("cpu", enabled=False) if cpu_amp else contextlib.nullcontext():
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads
             )

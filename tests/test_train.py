@@ -129,6 +129,27 @@ def test_on_policy_ratio_is_exactly_one(short_run):
         assert r["clip_ratio/low"] == r["clip_ratio/high"] == r["clip_ratio/region"] == 0.0
 
 
+def test_step_metrics_weight_micro_batches_by_active_tokens():
+    """Combining two micro-batches' diagnostics gives the diagnostics of the two as one batch."""
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(6, 5, generator=g, dtype=torch.float64)
+    old = logp + 0.3 * torch.randn(6, 5, generator=g, dtype=torch.float64)
+    adv = torch.randn(6, generator=g, dtype=torch.float64)
+    mask = torch.ones(6, 5, dtype=torch.float64)
+    mask[:2, 1:] = 0  # the first micro-batch holds far fewer active tokens than the second
+    kw = dict(loss="ppo", epsilon=0.2, epsilon_high=0.28)
+    micro = []
+    for rows in (slice(0, 3), slice(3, 6)):
+        _, m = policy_loss(logp[rows], old[rows], adv[rows], mask[rows], **kw)
+        micro.append({"loss": 0.1, **{k: float(v) for k, v in m.items()}})
+    _, whole = policy_loss(logp, old, adv, mask, **kw)
+    got = step_diagnostics(micro)
+    assert got["tokens"] == 22 and got["loss"] == pytest.approx(0.2)
+    for k in ("kl_old/k1", "kl_old/k3", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region"):
+        assert got[k] == pytest.approx(float(whole[k]), abs=1e-6), k  # clip fractions are fp32
+    assert micro[0]["kl_old/k3"] != pytest.approx(micro[1]["kl_old/k3"])  # weighting matters here
+
+
 def test_training_changes_every_weight_and_the_checkpoint_holds_them(short_run, embedded_dir):
     run = short_run
     assert latest_checkpoint(run).name == "checkpoint-3"
@@ -520,24 +541,3 @@ def test_two_ranks_train_one_run_in_sync_and_resume(tmp_path):
     out = torchrun(tmp_path, "train", "--resume", str(run), "--set", "train.max_steps=3")
     assert out.returncode == 0, out.stderr[-3000:]
     assert [r["step"] for r in rows(run)] == [1, 2, 3]
-
-
-def test_step_metrics_weight_micro_batches_by_active_tokens():
-    """Combining two micro-batches' diagnostics gives the diagnostics of the two as one batch."""
-    g = torch.Generator().manual_seed(0)
-    logp = -torch.rand(6, 5, generator=g, dtype=torch.float64)
-    old = logp + 0.3 * torch.randn(6, 5, generator=g, dtype=torch.float64)
-    adv = torch.randn(6, generator=g, dtype=torch.float64)
-    mask = torch.ones(6, 5, dtype=torch.float64)
-    mask[:2, 1:] = 0  # the first micro-batch holds far fewer active tokens than the second
-    kw = dict(loss="ppo", epsilon=0.2, epsilon_high=0.28)
-    micro = []
-    for rows in (slice(0, 3), slice(3, 6)):
-        _, m = policy_loss(logp[rows], old[rows], adv[rows], mask[rows], **kw)
-        micro.append({"loss": 0.1, **{k: float(v) for k, v in m.items()}})
-    _, whole = policy_loss(logp, old, adv, mask, **kw)
-    got = step_diagnostics(micro)
-    assert got["tokens"] == 22 and got["loss"] == pytest.approx(0.2)
-    for k in ("kl_old/k1", "kl_old/k3", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region"):
-        assert got[k] == pytest.approx(float(whole[k]), abs=1e-6), k  # clip fractions are fp32
-    assert micro[0]["kl_old/k3"] != pytest.approx(micro[1]["kl_old/k3"])  # weighting matters here

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from rlcore.model import KVCache, Transformer, apply_rope, rope_cos_sin
+from rlcore.model import KVCache, Transformer, apply_rope, rms_norm, rope_cos_sin
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -47,13 +47,6 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, batch: int) -> 
     if bias is None:
         return lambda x: x @ weight_t
     return lambda x: torch.addmm(bias, x, weight_t)
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`rlcore.model.RMSNorm`: normalise in fp32, scale in the input dtype."""
-    dtype = x.dtype
-    x = x.float()
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
 
 
 def _one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -128,16 +121,16 @@ class PackedDecoder:
         x = self.embed[tokens]                                   # [B, H]
         cos, sin = rope_cos_sin(self.inv_freq, positions[:, None], x.dtype)  # [B, 1, 1, d]
         for i, w in enumerate(self.layers):
-            qkv = w["qkv"](_rms(x, w["norm1"], eps))
+            qkv = w["qkv"](rms_norm(x, w["norm1"], eps))
             q = qkv[:, :nh * d].view(B, nh, 1, d)
             k = qkv[:, nh * d:(nh + nkv) * d].view(B, nkv, 1, d)
             v = qkv[:, (nh + nkv) * d:].view(B, nkv, 1, d)
             if self.qk_norm:
-                q, k = _rms(q, w["q_norm"], eps), _rms(k, w["k_norm"], eps)
+                q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
             cache.k[i][:, :, slot:slot + 1] = apply_rope(k, cos, sin).to(cache.k.dtype)
             cache.v[i][:, :, slot:slot + 1] = v.to(cache.v.dtype)
             y = _one_query_attention(apply_rope(q, cos, sin), cache.k[i], cache.v[i], mask)
             x = x + w["o"](y.view(B, nh * d))
-            gate_up = w["gate_up"](_rms(x, w["norm2"], eps))
+            gate_up = w["gate_up"](rms_norm(x, w["norm2"], eps))
             x = x + w["down"](F.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:])
-        return self.head(_rms(x, self.final_norm, eps)).float()
+        return self.head(rms_norm(x, self.final_norm, eps)).float()
