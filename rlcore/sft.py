@@ -66,8 +66,9 @@ def completion_hidden(model: Transformer, ids, attn, Lp: int):
     """
     distinct, rows = torch.unique(_prompt_keys(ids, attn, Lp), dim=0, return_inverse=True)
     if len(distinct) == len(ids):  # nothing to share
-        mask, pos = padded_causal_mask(attn)
-        return model(ids, pos, mask)[:, Lp - 1:ids.shape[1] - 1]
+        # The last token predicts nothing here: the pass stops before it.
+        mask, pos = padded_causal_mask(attn[:, :-1])
+        return model(ids[:, :-1], pos, mask)[:, Lp - 1:]
     last, prefix = _prompt_pass(model, distinct)
     return _completion_pass(model, ids, attn, Lp, last, prefix, rows)
 
@@ -83,10 +84,14 @@ def _prompt_pass(model: Transformer, distinct):
 def _completion_pass(model: Transformer, ids, attn, Lp: int, last, prefix: PrefixKV, rows):
     """Hidden states `[B, Tc, H]` predicting the completions of rows `[B, Lp + Tc]`, row b
     continuing prompt `rows[b]` of `_prompt_pass`'s `last` and `prefix`. Distinct prompts keep
-    their rows' left padding, so mask columns 0..Lp-1 line up with them."""
+    their rows' left padding, so mask columns 0..Lp-1 line up with them. The last completion
+    token predicts nothing, so the pass runs tokens Lp .. Lp+Tc-2."""
+    if ids.shape[1] == Lp + 1:  # one completion token: the prompt's last position predicts it
+        return last[rows, None]
+    ids, attn = ids[:, :-1], attn[:, :-1]
     mask, pos = padded_causal_mask(attn)
     h = model(ids[:, Lp:], pos[:, Lp:], mask[:, :, Lp:], prefix=prefix, prefix_rows=rows)
-    return torch.cat((last[rows, None], h[:, :ids.shape[1] - Lp - 1]), dim=1)
+    return torch.cat((last[rows, None], h), dim=1)
 
 
 class SharedPrompts:

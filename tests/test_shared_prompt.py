@@ -59,6 +59,23 @@ def test_shared_prompt_logprobs_match_transformers_per_row(family, across, hf_ch
     assert torch.isfinite(logp).all()  # padding positions too: they are masked, never NaN
 
 
+
+@pytest.mark.parametrize("repeats", [False, True], ids=["distinct_prompts", "repeated_prompts"])
+def test_one_token_completions_match_transformers(repeats, hf_checkpoint):
+    """Completions of one token: the prompt's last position alone predicts them (no pass over
+    the completion at all, in either the plain or the shared-prompt path)."""
+    path, hf = hf_checkpoint("qwen2")
+    model = load_model(path)
+    prompts, _ = batch()
+    prompts = prompts if repeats else prompts[:2] + prompts[3:4]
+    completions = [[7 + i] for i in range(len(prompts))]
+    ids, attn, cids, cmask, Lp = pack(prompts, completions, pad_id=0)
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, ids, attn, Lp, cids)
+        ref = per_row_logprobs(lambda x: hf(input_ids=x).logits, prompts, completions)
+    assert logp.shape == (len(prompts), 1)
+    assert (logp.double() - ref).abs().max().item() <= 1e-4
+
 @pytest.mark.parametrize("across", [False, True], ids=["within_micro_batch", "across_micro_batches"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_shared_prompt_gradients_match_per_row_passes_fp64(family, across, hf_checkpoint):
@@ -103,7 +120,8 @@ def test_shared_pass_runs_each_distinct_prompt_once(hf_checkpoint, monkeypatch):
     ids, attn, cids, cmask, Lp = pack(*batch(), pad_id=0)
     seen = forward_shapes(model, monkeypatch)
     completion_hidden(model, ids, attn, Lp)
-    assert seen == [(3, Lp), (len(ids), ids.shape[1] - Lp)]  # 3 distinct prompts, then 6 completions
+    # 3 distinct prompts, then 6 completions without their last token (it predicts nothing)
+    assert seen == [(3, Lp), (len(ids), ids.shape[1] - Lp - 1)]
 
 
 def test_distinct_prompts_take_the_plain_pass(hf_checkpoint, monkeypatch):
@@ -112,7 +130,7 @@ def test_distinct_prompts_take_the_plain_pass(hf_checkpoint, monkeypatch):
     ids, attn, cids, cmask, Lp = pack(prompts[:2] + prompts[3:4], completions[:3], pad_id=0)
     seen = forward_shapes(model, monkeypatch)
     completion_hidden(model, ids, attn, Lp)
-    assert seen == [tuple(ids.shape)]  # one pass over the full rows
+    assert seen == [(len(ids), ids.shape[1] - 1)]  # one pass over the rows but their last token
 
 
 def test_prefix_rows_without_a_mask_raise(hf_checkpoint):
@@ -130,8 +148,9 @@ def test_shared_prompts_run_each_distinct_prompt_of_the_step_once(hf_checkpoint,
     shared = SharedPrompts.build(model, ids, attn, Lp)
     for r in MICRO:
         shared.completion_hidden(ids[r], attn[r])
-    # 3 distinct prompts once, then 3 + 3 completions; per micro-batch it would be 2 + 3 prompts.
-    assert seen == [(3, Lp), (3, ids.shape[1] - Lp), (3, ids.shape[1] - Lp)]
+    # 3 distinct prompts once, then 3 + 3 completions (but their last token, which predicts
+    # nothing); per micro-batch it would be 2 + 3 prompts.
+    assert seen == [(3, Lp), (3, ids.shape[1] - Lp - 1), (3, ids.shape[1] - Lp - 1)]
 
 
 def test_shared_prompts_none_without_repeats_or_over_the_cap_and_foreign_rows_raise(hf_checkpoint):
