@@ -438,6 +438,10 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                          "data_pos": data_pos, "nonfinite_total": bad_total, "before": before}
                 save_checkpoint(run, step, model, Path(model_dir), state)
 
+    if main and step % steps_per_round:
+        print(f"note: max_steps={t.max_steps} ended the run inside a round of {steps_per_round} optimizer "
+              f"steps; a --resume with a larger max_steps starts a new round (the rest of this one is "
+              f"not replayed)", flush=True)
     after = evaluate(model, tok, eval_set, accuracy_fn, t.eval_max_completion_length)
     if main:
         record_eval(run, step, after)
