@@ -59,7 +59,6 @@ def test_shared_prompt_logprobs_match_transformers_per_row(family, across, hf_ch
     assert torch.isfinite(logp).all()  # padding positions too: they are masked, never NaN
 
 
-
 @pytest.mark.parametrize("repeats", [False, True], ids=["distinct_prompts", "repeated_prompts"])
 def test_one_token_completions_match_transformers(repeats, hf_checkpoint):
     """Completions of one token: the prompt's last position alone predicts them (no pass over
@@ -75,6 +74,7 @@ def test_one_token_completions_match_transformers(repeats, hf_checkpoint):
         ref = per_row_logprobs(lambda x: hf(input_ids=x).logits, prompts, completions)
     assert logp.shape == (len(prompts), 1)
     assert (logp.double() - ref).abs().max().item() <= 1e-4
+
 
 @pytest.mark.parametrize("across", [False, True], ids=["within_micro_batch", "across_micro_batches"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -284,11 +284,6 @@ print(held.hblkhd >> 20, libc.mallinfo2().arena >> 20)
 
 # ----------------------------------------------------------------------------- resume and crashes
 
-class Killed(BaseException):
-    """Stands in for the process dying: nothing after it runs, only what is on disk survives."""
-
-
-
 def test_a_run_ended_inside_a_round_says_so(tmp_path, capsys):
     # mu = 2: a round is 2 optimizer steps. max_steps=3 stops after the first step of the
     # second round, whose other step a later --resume would not replay; max_steps=2 does not.
@@ -296,6 +291,11 @@ def test_a_run_ended_inside_a_round_says_so(tmp_path, capsys):
     assert "ended the run inside a round of 2 optimizer steps" in capsys.readouterr().out
     train(config(tmp_path / "whole", "train.max_steps=2", "loss.num_iterations=2"))
     assert "inside a round" not in capsys.readouterr().out
+
+
+class Killed(BaseException):
+    """Stands in for the process dying: nothing after it runs, only what is on disk survives."""
+
 
 def test_resume_after_a_crash_matches_an_uninterrupted_run(tmp_path, monkeypatch, capsys):
     # Run B dies when it reaches the step-4 checkpoint, after writing metrics rows 3 and 4:
