@@ -186,8 +186,7 @@ def test_packed_decoder_matches_module_decoding_step(family, overrides):
 
 def test_bf16_rollout_of_an_fp32_model(decoder):
     """dtype=bf16 (the rollout of `train.bf16`): log-probs within bf16 rounding of the fp32
-    training forward's, and not equal to them (bf16 did run); the packed step casts the fp32
-    weights exactly as converting the model to bf16 does."""
+    training forward's, and not equal to them (bf16 did run)."""
     model = rlcore_model(make_hf_model("qwen2"))
     prompts = random_prompts([6, 3, 11, 6], seed=1)
     out = generate(model, prompts, 4, 40, eos_token_ids=list(range(1, 9)), pad_token_id=PAD,
@@ -195,6 +194,11 @@ def test_bf16_rollout_of_an_fp32_model(decoder):
     m = out.completion_mask.bool()
     diff = (out.sampling_logprobs - training_logprobs(model, out, 0.8))[m].abs()
     assert 1e-5 < diff.max().item() < 1e-2
+
+
+def test_packed_decoder_casts_fp32_weights_as_converting_the_model_does():
+    """PackedDecoder(dtype=bf16) of an fp32 model gives the step of the model converted to bf16."""
+    model = rlcore_model(make_hf_model("qwen2"))
     B = 3
     tokens, positions = torch.tensor([5, 7, 9]), torch.tensor([2, 2, 2])
     caches = [KVCache.empty(model.config, B, 3, torch.bfloat16) for _ in range(2)]
