@@ -58,8 +58,11 @@ def test_resave_replaces_existing_directory_atomically(hf_checkpoint, tmp_path):
     model = load_model(hf_checkpoint("qwen2")[0])
     out = tmp_path / "runs"
     save_model(model, out / "ck")
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)
     save_model(model, out / "ck")
     assert sorted(p.name for p in out.iterdir()) == ["ck"]
+    assert torch.equal(load_model(out / "ck").model.norm.weight, model.model.norm.weight)
 
 
 # --- bad input: each error names the file and the problem ---

@@ -172,11 +172,16 @@ def test_entropy_carries_no_grad():
 
 
 @pytest.mark.parametrize("recompute", [True, False])
-def test_frozen_weight_gets_no_grad_and_hidden_grad_is_unchanged(recompute):
+def test_frozen_weight_gets_no_grad_and_hidden_grad_is_unchanged(recompute, monkeypatch):
     (hidden, weight), targets = make_inputs()
     frozen = weight.detach()
     logp, _ = token_logprobs(hidden, frozen, targets, chunk_size=4, recompute=recompute)
+    # autograd would drop a [V, H] grad returned for a frozen input: check none is computed
+    products, mm = [], torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b, **k: products.append((a.shape[0], b.shape[1])) or mm(a, b, **k))
     logp.sum().backward()
+    monkeypatch.undo()
+    assert tuple(weight.shape) not in products
     ref_logp, _ = naive_fp64(hidden, frozen, targets)
     (ref_h,) = torch.autograd.grad(ref_logp.sum(), hidden)
     torch.testing.assert_close(hidden.grad, ref_h, rtol=1e-12, atol=1e-12)

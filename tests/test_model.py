@@ -1,5 +1,6 @@
 """Logits parity of rlcore's from-scratch model with transformers, per family, in fp32."""
 
+import dataclasses
 import json
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 from conftest import FAMILIES, make_hf_model
 from rlcore.checkpoint import load_model
-from rlcore.model import KVCache, ModelConfig, Transformer, padded_causal_mask
+from rlcore.model import KVCache, ModelConfig, Transformer, padded_causal_mask, rope_inv_freq
 
 TOL = 1e-4
 
@@ -44,10 +45,12 @@ def test_left_padded_batch_matches_transformers(family, hf_checkpoint):
 
 
 def test_llama3_rope_scaling_changes_logits(hf_checkpoint):
-    """Guards the parity test above: the llama3 frequencies must actually differ from default."""
-    plain = load_model(hf_checkpoint("llama")[0])
+    """Guards the parity test above: the llama3 frequencies must differ from the same config's
+    unscaled ones (not from another family's, whose rope_theta alone would differ)."""
     scaled = load_model(hf_checkpoint("llama3_rope")[0])
-    assert not torch.allclose(plain.inv_freq, scaled.inv_freq)
+    assert scaled.config.rope_scaling is not None
+    unscaled = rope_inv_freq(dataclasses.replace(scaled.config, rope_scaling=None))
+    assert not torch.allclose(unscaled, scaled.inv_freq)
 
 
 def test_cached_forward_equals_full_forward(hf_checkpoint):

@@ -68,6 +68,12 @@ def test_evaluate_expression_is_exact():
     assert value == 2 and used == [3, 4, 2, 7]
 
 
+def test_evaluate_expression_accepts_deep_parentheses_up_to_the_length_limit():
+    expr = "(" * 48 + "1" + ")" * 48 + "+11"  # exactly MAX_EXPRESSION_CHARS = 100 characters
+    assert len(expr) == 100
+    assert evaluate_expression(expr) == (12, [1, 11])
+
+
 @pytest.mark.parametrize("expr", [
     "__import__('os').system('true')",
     "open('x')",
@@ -79,7 +85,7 @@ def test_evaluate_expression_is_exact():
     "[1, 2]",
     "1/0",
     "9" * 101,
-    "(" * 50 + "1" + ")" * 50,
+    "(" * 50 + "1" + ")" * 50,  # 101 characters: over the limit, however harmless
     "True+1",
 ])
 def test_evaluate_expression_rejects_unsafe_or_invalid_input(expr):

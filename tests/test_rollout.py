@@ -9,7 +9,7 @@ import torch
 
 from conftest import make_hf_model
 import rlcore.rollout.engine as engine
-from rlcore.model import KVCache, ModelConfig, Transformer, padded_causal_mask
+from rlcore.model import KVCache, ModelConfig, Transformer, padded_causal_mask, rope_inv_freq
 from rlcore.rollout import Rollout, generate
 from rlcore.rollout.engine import decode_one_token, prefill
 from rlcore.rollout.packed import PackedDecoder
@@ -161,6 +161,7 @@ def test_packed_decoder_matches_module_decoding_step(family, overrides):
     valid[2, ..., :3] = valid[4, ..., :5] = False  # rows 2 and 4 have left padding
     for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         m = model.to(dtype)
+        m.inv_freq = rope_inv_freq(cfg)  # fp32 RoPE frequencies, as load_model keeps them in bf16
         cache = KVCache.empty(cfg, B, S, dtype)
         cache.k.normal_(generator=g)
         cache.v.normal_(generator=g)
@@ -309,10 +310,13 @@ def test_compacting_finished_rows_changes_no_result(monkeypatch):
     torch.testing.assert_close(compacted.sampling_logprobs, plain.sampling_logprobs, rtol=0, atol=1e-6)
 
 
-def test_a_repeated_prompt_is_prefilled_once_and_gets_its_own_rows():
+def test_a_repeated_prompt_is_prefilled_once_and_gets_its_own_rows(monkeypatch):
     model = rlcore_model(make_hf_model("qwen2"))
     a, b = random_prompts([4, 6], seed=6)
+    prefilled = []  # the prompt lists engine.prefill receives
+    monkeypatch.setattr(engine, "prefill", lambda m, ps, *r: prefilled.append(ps) or prefill(m, ps, *r))
     out = generate(model, [a, b, a], 2, 8, eos_token_ids=[1], pad_token_id=PAD, temperature=0.0)
+    assert prefilled == [[a, b]]
     assert out.prompt_ids == [a, a, b, b, a, a]
     single = generate(model, [a, b], 2, 8, eos_token_ids=[1], pad_token_id=PAD, temperature=0.0)
     assert torch.equal(out.completion_ids[:4], single.completion_ids)
