@@ -17,7 +17,8 @@ per chunk, and `recompute` picks how it gets the softmax:
 - recompute=None (default): save when the softmax takes at most SAVE_PROBS_MAX_BYTES, else
   recompute; 4096 tokens x 151936 vocabulary (Qwen, 2.5 GB) is recomputed.
 
-This is the plain-PyTorch twin of a fused CUDA kernel: the CPU path and its test oracle.
+It is written to be the plain-PyTorch twin of a fused CUDA kernel (SPEC section 3), the CPU
+path and that kernel's test oracle; the kernel itself is not written yet, so CUDA runs this too.
 """
 
 import torch
