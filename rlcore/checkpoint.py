@@ -41,7 +41,9 @@ def read_json(path: Path) -> dict:
 def load_config(path: str | os.PathLike) -> ModelConfig:
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"{path}: checkpoint directory not found")
+        problem = "is a file, not a checkpoint directory" if path.exists() else "checkpoint directory not found"
+        raise CheckpointError(f"{path}: {problem}; give a Hugging Face checkpoint directory "
+                              "(config.json, *.safetensors, tokenizer.json)")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{cfg_file}: missing config.json; a Hugging Face checkpoint directory "

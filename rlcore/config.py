@@ -282,8 +282,16 @@ def load_config(path: str | None = None, overrides: list[str] = (), world_size: 
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist; pass an existing TOML file "
                               f"(see configs/ for examples)") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {path} is a directory; pass a TOML file "
+                              f"(see configs/ for examples)") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path} is not UTF-8 text ({e.reason}, byte "
+                              f"{e.object[e.start:e.start + 1]!r} at offset {e.start}); save it as UTF-8") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
     d = normalize(d)
     for item in overrides:
         section, key, value = parse_override(item)

@@ -28,8 +28,9 @@ def final_answer(answer: str) -> str:
     return re.sub(r"(?<=\d),(?=\d{3})", "", answer.rsplit("####", 1)[1].strip())
 
 
-def load_jsonl(path: str, prompt_column: str = "prompt", answer_column: str | None = "answer") -> list[dict]:
-    """One example per non-blank line of the JSONL file at `path`.
+def load_jsonl(path: str, prompt_column: str = "prompt", answer_column: str | None = "answer",
+               key: str = "data.path") -> list[dict]:
+    """One example per non-blank line of the JSONL file at `path` (the config's `key`).
 
     `prompt_column` must hold a string or a list of `{"role", "content"}` messages and becomes
     `prompt`; `answer_column` (None or "" = the dataset has no answers) must hold a string or a
@@ -38,14 +39,20 @@ def load_jsonl(path: str, prompt_column: str = "prompt", answer_column: str | No
     """
     p = Path(path)
     if not p.is_file():
-        raise DataError(f"dataset file {path} does not exist; set data.path to a JSONL file "
+        problem = "is a directory" if p.is_dir() else "does not exist"
+        raise DataError(f"dataset file {path} {problem}; set {key} to a JSONL file "
                         f"(one JSON object per line)")
     examples = []
-    with open(p, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(p, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not UTF-8 text (byte {raw[e.start:e.start + 1]!r} at column "
+                                f"{e.start + 1}); save the file as UTF-8") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
@@ -100,7 +107,8 @@ def load_examples(data) -> tuple[list[dict], list[dict]]:
     rows = load_jsonl(data.path, data.prompt_column, data.answer_column)
     random.Random(data.seed).shuffle(rows)
     if data.eval_path:
-        evals = load_jsonl(data.eval_path, data.prompt_column, data.answer_column)[:data.num_eval]
+        evals = load_jsonl(data.eval_path, data.prompt_column, data.answer_column, key="data.eval_path")
+        evals = evals[:data.num_eval]
     else:
         if len(rows) <= data.num_eval:
             raise DataError(f"{data.path} has {len(rows)} examples, so data.num_eval = "

@@ -69,6 +69,11 @@ class ModelConfig:
                                "num_attention_heads") if k not in d]
         if missing:
             raise ValueError(f"{source}: missing required keys {missing}")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim"):
+            value = d.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{source}: {key} = {value!r} must be a positive integer")
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
         if d.get("use_sliding_window", False):

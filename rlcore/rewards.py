@@ -184,8 +184,8 @@ def get_reward_funcs(names: list[str]) -> list[RewardFunc]:
             module, _, attr = name.partition(":")
             try:
                 fn = getattr(importlib.import_module(module), attr)
-            except (ImportError, AttributeError) as e:
-                raise ValueError(f"loss.reward_funcs entry {name!r} cannot be loaded ({e}); give "
+            except Exception as e:  # ImportError, AttributeError, or any error the module raises
+                raise ValueError(f"loss.reward_funcs entry {name!r} cannot be loaded ({type(e).__name__}: {e}); give "
                                  f"'module:function' with the module importable (on PYTHONPATH)") from e
             if not callable(fn):
                 raise ValueError(f"loss.reward_funcs entry {name!r} is a {type(fn).__name__}, not a function")

@@ -42,14 +42,18 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def read_json(path: Path) -> dict:
-    """Parse a JSON file; an absent file reads as {}."""
+    """Parse a JSON file holding one object; an absent file reads as {}."""
     if not path.exists():
         return {}
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except json.JSONDecodeError as err:
+            d = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path} is not valid JSON ({err}); re-download or re-save the checkpoint") from err
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: expected a JSON object, got a {type(d).__name__}; re-download or re-save "
+                         f"the checkpoint")
+    return d
 
 
 def token_content(value: Any) -> Any:
@@ -57,11 +61,14 @@ def token_content(value: Any) -> Any:
     return value.get("content") if isinstance(value, dict) else value
 
 
-def as_id_list(value: int | list[int] | None) -> list[int]:
+def as_id_list(value: int | list[int] | None, source: str = "eos_token_id") -> list[int]:
     """config.json and generation_config.json save eos_token_id as an int, a list, or null."""
     if value is None:
         return []
-    return [value] if isinstance(value, int) else list(value)
+    ids = [value] if isinstance(value, int) else value
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{source} = {value!r}: expected a token id (an int), a list of them, or null")
+    return list(ids)
 
 
 class GenerationTag(jinja2.ext.Extension):
@@ -145,6 +152,10 @@ class Tokenizer:
     def from_dir(cls, path: str | PathLike) -> "Tokenizer":
         """Load from a checkpoint dir holding tokenizer.json (and usually tokenizer_config.json)."""
         path = Path(path)
+        if not path.is_dir():
+            problem = "is a file, not a checkpoint directory" if path.exists() else "checkpoint directory not found"
+            raise FileNotFoundError(f"{path}: {problem}; give a Hugging Face checkpoint directory "
+                                    f"(config.json, *.safetensors, tokenizer.json)")
         file = path / "tokenizer.json"
         if not file.exists():
             raise FileNotFoundError(f"{file} not found: rlcore reads the fast-tokenizer file; create it with "
@@ -168,8 +179,10 @@ class Tokenizer:
         # split_special_tokens: special-token text in the input is encoded as plain text, as in transformers
         backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
 
-        config_eos_ids = (as_id_list(read_json(path / "generation_config.json").get("eos_token_id"))
-                          + as_id_list(read_json(path / "config.json").get("eos_token_id")))
+        config_eos_ids = []
+        for name in ("generation_config.json", "config.json"):
+            eos = read_json(path / name).get("eos_token_id")
+            config_eos_ids += as_id_list(eos, f"{path / name}: eos_token_id")
         return cls(backend, special_tokens, config_eos_ids, read_chat_template(path, config), str(path))
 
     def token_id(self, name: str) -> int | None:
@@ -236,7 +249,7 @@ class Tokenizer:
 
 
 def check_vocab_fits(tokenizer: Tokenizer, embedding_rows: int, source: str | PathLike) -> None:
-    """Raise if the tokenizer can emit ids past the model's embedding table.
+    """Raise if the tokenizer can emit ids, or names an EOS id, past the model's embedding table.
 
     A smaller tokenizer is normal (Qwen pads its embedding to a multiple of 128 rows); a larger one
     means the tokenizer files do not belong to these weights.
@@ -246,3 +259,8 @@ def check_vocab_fits(tokenizer: Tokenizer, embedding_rows: int, source: str | Pa
         raise ValueError(f"{source}: the tokenizer has ids up to {rows_needed - 1}, so it needs {rows_needed} "
                          f"embedding rows, but the model has {embedding_rows}; the tokenizer files do not match "
                          f"the weights (compare tokenizer.json with config.json's vocab_size)")
+    too_big = [i for i in tokenizer.eos_token_ids if i >= embedding_rows]
+    if too_big:
+        raise ValueError(f"{source}: eos_token_id {too_big} is past the model's {embedding_rows} embedding rows, "
+                         f"so generation could never stop on it; fix eos_token_id in config.json or "
+                         f"generation_config.json")

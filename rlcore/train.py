@@ -185,6 +185,16 @@ def latest_checkpoint(run: Path) -> Path:
     return ck
 
 
+def load_trainer_state(ck: Path) -> dict:
+    file = ck / "trainer_state.pt"
+    try:
+        return torch.load(file, weights_only=False)
+    except Exception as e:  # a damaged file fails inside pickle or zipfile, with no file name
+        raise ValueError(f"{file} cannot be read ({type(e).__name__}: {e}); the checkpoint is damaged. "
+                         f"The run directory keeps the previous checkpoint-<step>: write its name into "
+                         f"{ck.parent / 'latest'} to resume from it") from e
+
+
 def step_diagnostics(micro: list[dict]) -> dict:
     """One optimizer step's loss diagnostics from its micro-batches' (`policy_loss` metrics plus
     `loss`). The loss and the active-token count are summed: the step's gradient is that of the
@@ -221,6 +231,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
     main = rank == 0  # rank 0 alone prints and writes files
     validate(cfg, world_size=world)
     run = Path(resume or t.output_dir)
+    if run.exists() and not run.is_dir():
+        raise NotADirectoryError(f"train.output_dir = {run} is a file; choose a directory (it is created)")
     if not resume and (run / "latest").exists():
         raise FileExistsError(f"{run} already holds checkpoints; continue it with --resume {run}, "
                               "or choose a new train.output_dir (nothing is overwritten)")
@@ -263,7 +275,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
     step, data_pos, bad_in_row, bad_total = 0, 0, 0, 0
     metrics_file = run / "metrics.jsonl"
     if ck:
-        st = torch.load(ck / "trainer_state.pt", weights_only=False)
+        st = load_trainer_state(ck)
         opt.load_state_dict(st["optimizer"])
         sched.load_state_dict(st["scheduler"])
         if len(st["sampler_rng"]) != world:

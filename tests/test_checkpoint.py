@@ -99,6 +99,22 @@ def test_unknown_model_type_lists_supported(hf_checkpoint):
         load_model(path)
 
 
+@pytest.mark.parametrize("key, value", [("num_hidden_layers", "1"), ("hidden_size", 64.0), ("num_attention_heads", 0)])
+def test_a_size_that_is_not_a_positive_integer_is_named(hf_checkpoint, key, value):
+    path, _ = hf_checkpoint("qwen2")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg[key] = value
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=rf"config\.json: {key} = {value!r} must be a positive integer"):
+        load_model(path)
+
+
+def test_a_file_given_as_the_checkpoint_directory_is_named(tmp_path):
+    (tmp_path / "ckpt").write_text("")
+    with pytest.raises(CheckpointError, match=r"ckpt: is a file, not a checkpoint directory"):
+        load_model(tmp_path / "ckpt")
+
+
 def test_missing_and_unexpected_tensor_names(hf_checkpoint):
     path, _ = hf_checkpoint("qwen2")
     sd = load_file(path / "model.safetensors")

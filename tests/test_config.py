@@ -296,6 +296,18 @@ def test_invalid_toml_names_the_file(tmp_path):
         load_config(write(tmp_path, "[loss\nbeta = 1\n"), [])
 
 
+def test_config_path_that_is_a_directory_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=rf"config file {tmp_path} is a directory; pass a TOML file"):
+        load_config(str(tmp_path), [])
+
+
+def test_config_file_that_is_not_utf8_names_the_byte(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_bytes(b"[loss]\nbeta = 0.1 # \xff\n")
+    with pytest.raises(ConfigError, match=r"run\.toml is not UTF-8 text \(invalid start byte, byte b'\\xff' at offset 20\)"):
+        load_config(str(path), [])
+
+
 def test_malformed_override_shows_the_form():
     with pytest.raises(ConfigError, match=r"'lossbeta' is not section\.key=value"):
         load_config(None, ["lossbeta"])

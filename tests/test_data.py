@@ -82,6 +82,24 @@ def test_missing_file_is_named(tmp_path):
         load_jsonl(str(tmp_path / "nope.jsonl"))
 
 
+def test_a_directory_is_not_a_dataset_file(tmp_path):
+    with pytest.raises(DataError, match=rf"dataset file {tmp_path} is a directory; set data\.path"):
+        load_jsonl(str(tmp_path))
+
+
+def test_missing_eval_file_names_data_eval_path(tmp_path):
+    path = write_jsonl(tmp_path, [{"prompt": "q", "answer": "1"}])
+    with pytest.raises(DataError, match=r"nope\.jsonl does not exist; set data\.eval_path"):
+        load_examples(DataArgs(task="jsonl", path=path, eval_path=str(tmp_path / "nope.jsonl")))
+
+
+def test_a_line_that_is_not_utf8_names_file_line_and_byte(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'{"prompt": "a", "answer": "1"}\n{"prompt": "\xe9", "answer": "2"}\n')
+    with pytest.raises(DataError, match=r"data\.jsonl:2: not UTF-8 text \(byte b'\\xe9' at column 13\)"):
+        load_jsonl(str(path))
+
+
 def test_empty_file_is_named(tmp_path):
     with pytest.raises(DataError, match=r"data\.jsonl has no examples"):
         load_jsonl(write_jsonl(tmp_path, ["", ""]))

@@ -138,3 +138,10 @@ def test_get_reward_funcs_unknown_name_lists_valid_names():
 def test_get_reward_funcs_bad_module_path_is_named():
     with pytest.raises(ValueError, match=r"'no_such_module:fn' cannot be loaded"):
         get_reward_funcs(["no_such_module:fn"])
+
+
+def test_get_reward_funcs_names_an_error_raised_while_importing_the_module(tmp_path, monkeypatch):
+    (tmp_path / "broken_rewards.py").write_text("def f(prompts, completions:\n    return []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"'broken_rewards:f' cannot be loaded \(SyntaxError: .*line 1"):
+        get_reward_funcs(["broken_rewards:f"])

@@ -394,6 +394,31 @@ def test_missing_tokenizer_json_names_the_file(tmp_path):
         Tokenizer.from_dir(tmp_path)
 
 
+@pytest.mark.parametrize("kind", ["missing", "file"])
+def test_a_path_that_is_not_a_directory_is_named(tmp_path, kind):
+    path = tmp_path / "ckpt"
+    if kind == "file":
+        path.write_text("")
+    problem = "is a file, not a checkpoint directory" if kind == "file" else "checkpoint directory not found"
+    with pytest.raises(FileNotFoundError, match=rf"{path}: {problem}"):
+        Tokenizer.from_dir(path)
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "config.json"])
+def test_a_json_file_that_is_not_an_object_is_named(tmp_path, name):
+    path = qwen_checkpoint(tmp_path)
+    (path / name).write_text("[1]")
+    with pytest.raises(ValueError, match=rf"{name}: expected a JSON object, got a list"):
+        Tokenizer.from_dir(path)
+
+
+def test_an_eos_token_id_that_is_not_an_int_is_named(tmp_path):
+    path = qwen_checkpoint(tmp_path)
+    (path / "config.json").write_text(json.dumps({"eos_token_id": "<eos>"}))
+    with pytest.raises(ValueError, match=r"config\.json: eos_token_id = '<eos>': expected a token id"):
+        Tokenizer.from_dir(path)
+
+
 def test_corrupt_tokenizer_json_names_the_file(tmp_path):
     path = qwen_checkpoint(tmp_path)
     (path / "tokenizer.json").write_text('{"version": "1.0", "model": ')
@@ -438,6 +463,16 @@ def test_vocab_larger_than_embedding_is_an_error_naming_both_sizes(tmp_path):
         check_vocab_fits(tok, rows_needed - 1, path)
     with pytest.raises(ValueError, match=str(path)):
         check_vocab_fits(tok, rows_needed - 1, path)
+
+
+def test_an_eos_id_past_the_embedding_is_an_error(tmp_path):
+    path = qwen_checkpoint(tmp_path)
+    rows = Tokenizer.from_dir(path).vocab_size
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [rows + 5]}))
+    tok = Tokenizer.from_dir(path)
+    check_vocab_fits(tok, rows + 6, path)
+    with pytest.raises(ValueError, match=rf"eos_token_id \[{rows + 5}\] is past the model's {rows + 5} embedding rows"):
+        check_vocab_fits(tok, rows + 5, path)
 
 
 def test_vocab_smaller_than_embedding_is_fine(tmp_path):

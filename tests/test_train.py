@@ -462,8 +462,9 @@ def test_too_many_nonfinite_steps_in_a_row_stop_the_run(tmp_path, monkeypatch):
 
 def test_reward_function_that_raises_stops_the_run_naming_it_and_the_sample(tmp_path):
     with pytest.raises(RuntimeError, match=r"reward function explode raised ValueError: this reward always "
-                                           r"fails on sample 0: prompt='\d+\+\d+=', completion='"):
+                                           r"fails on sample 0: prompt='\d+\+\d+=', completion='") as err:
         train(config(tmp_path / "run", "train.max_steps=2", f"loss.reward_funcs=['{__name__}:explode']"))
+    assert "--set loss.reward_on_error=none" in str(err.value)  # the fix, as a config option
 
 
 def test_reward_on_error_none_scores_failures_as_none_and_continues(tmp_path):
@@ -508,6 +509,26 @@ def test_cli_resume_of_a_directory_without_checkpoints_is_an_error(tmp_path, cap
     assert main(["train", "--resume", str(tmp_path / "nothing")]) == 1
     assert "no checkpoint there" in capsys.readouterr().err
     assert not (tmp_path / "nothing").exists()
+
+
+def test_cli_output_dir_that_is_a_file_is_an_error(tmp_path, capsys):
+    (tmp_path / "afile").write_text("keep me")
+    assert main(cli_args(tmp_path / "afile", "train.max_steps=1")) == 1
+    assert f"train.output_dir = {tmp_path / 'afile'} is a file; choose a directory" in capsys.readouterr().err
+    assert (tmp_path / "afile").read_text() == "keep me"
+
+
+def test_cli_resume_from_a_damaged_trainer_state_names_it_and_the_way_back(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(cli_args(run, "train.max_steps=2", "train.save_steps=1")) == 0
+    (run / "checkpoint-2" / "trainer_state.pt").write_bytes(b"PK\x03\x04 not a zip archive")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--set", "train.max_steps=3"]) == 1
+    err = capsys.readouterr().err
+    assert f"{run / 'checkpoint-2' / 'trainer_state.pt'} cannot be read" in err and str(run / "latest") in err
+    (run / "latest").write_text("checkpoint-1")  # the way back the message gives
+    assert main(["train", "--resume", str(run), "--set", "train.max_steps=3"]) == 0
+    assert [r["step"] for r in rows(run)] == [1, 2, 3]
 
 
 def test_rollout_seed_alone_changes_the_samples(tmp_path):

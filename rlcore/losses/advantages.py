@@ -73,7 +73,8 @@ def _score_one_by_one(fn, name, prompts, completions, columns, on_error, batch_e
             raise RuntimeError(
                 f"reward function {name} raised {type(err).__name__}: {err} on sample {i}: "
                 f"prompt={_short(prompts[i])}, completion={_short(completions[i])}. Fix the "
-                "function, or score failures as None (on_error='none')") from err
+                "function, or score failures as None (on_error='none'; in a config: --set "
+                "loss.reward_on_error=none)") from err
         values += _check_scores(name, value, 1)
     if on_error == "raise":
         raise RuntimeError(f"reward function {name} raised {type(batch_err).__name__}: {batch_err} "
