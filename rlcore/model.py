@@ -74,11 +74,17 @@ class ModelConfig:
             value = d.get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{source}: {key} = {value!r} must be a positive integer")
+        heads, kv_heads = d["num_attention_heads"], d.get("num_key_value_heads") or d["num_attention_heads"]
+        if heads % kv_heads:
+            raise ValueError(f"{source}: num_attention_heads = {heads} is not a multiple of "
+                             f"num_key_value_heads = {kv_heads}")
+        if not d.get("head_dim") and d["hidden_size"] % heads:
+            raise ValueError(f"{source}: hidden_size = {d['hidden_size']} is not divisible by "
+                             f"num_attention_heads = {heads}, and there is no head_dim")
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
         if d.get("use_sliding_window", False):
             raise ValueError(f"{source}: use_sliding_window=true is not supported; set it to false")
-        heads = d["num_attention_heads"]
         # transformers >= 5 writes rope settings as `rope_parameters`; older files use
         # `rope_theta` + `rope_scaling`. Accept both.
         rope = dict(d.get("rope_parameters") or {})
@@ -101,7 +107,7 @@ class ModelConfig:
             intermediate_size=d["intermediate_size"],
             num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            num_key_value_heads=kv_heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),

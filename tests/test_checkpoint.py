@@ -109,6 +109,21 @@ def test_a_size_that_is_not_a_positive_integer_is_named(hf_checkpoint, key, valu
         load_model(path)
 
 
+@pytest.mark.parametrize("changes, message", [
+    ({"num_attention_heads": 3, "num_key_value_heads": 3},
+     r"hidden_size = 64 is not divisible by num_attention_heads = 3, and there is no head_dim"),
+    ({"num_attention_heads": 4, "num_key_value_heads": 3},
+     r"num_attention_heads = 4 is not a multiple of num_key_value_heads = 3"),
+])
+def test_head_counts_that_do_not_divide_are_named(hf_checkpoint, changes, message):
+    path, _ = hf_checkpoint("qwen2")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("head_dim", None)
+    (path / "config.json").write_text(json.dumps({**cfg, **changes}))
+    with pytest.raises(CheckpointError, match=r"config\.json: " + message):
+        load_model(path)
+
+
 def test_a_file_given_as_the_checkpoint_directory_is_named(tmp_path):
     (tmp_path / "ckpt").write_text("")
     with pytest.raises(CheckpointError, match=r"ckpt: is a file, not a checkpoint directory"):
