@@ -170,7 +170,7 @@ class TrainArgs:
     output_dir: str = "runs/rlcore"
     """directory for metrics, checkpoints and the resolved config; "{time}" becomes the start time"""
     logging_steps: int = 1
-    """print and record metrics every this many optimizer steps"""
+    """print a progress line every this many optimizer steps (metrics.jsonl gets every step)"""
     eval_steps: int = 0
     """evaluate on the held-out set every this many optimizer steps (0 = only at the end)"""
     save_steps: int = 0
@@ -546,8 +546,8 @@ def validate(config: Config, world_size: int = 1) -> None:
     need(d.task != "countdown" or "countdown" in lo.reward_funcs,
          f"data.task = 'countdown' is scored by the 'countdown' reward, but loss.reward_funcs = "
          f"{lo.reward_funcs}; --set loss.reward_funcs='[\"countdown\"]'")
-    if lo.importance_sampling_level == "sequence" and lo.loss_type != "grpo":
-        warnings.warn(f"loss.importance_sampling_level = 'sequence' (GSPO) with loss.loss_type = "
+    if lo.importance_sampling_level != "token" and lo.loss_type != "grpo":
+        warnings.warn(f"loss.importance_sampling_level = {lo.importance_sampling_level!r} (GSPO) with loss.loss_type = "
                       f"{lo.loss_type!r}: the GSPO objective is loss_type = 'grpo' (per-sequence mean)",
                       stacklevel=2)
 

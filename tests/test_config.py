@@ -324,9 +324,10 @@ def test_cispo_with_epsilon_high_set_does_not_warn():
         load_config(None, ["loss.policy_loss=cispo", "loss.epsilon_high=5.0"])
 
 
-def test_gspo_with_token_summing_loss_type_warns():
-    with pytest.warns(UserWarning, match="GSPO objective is loss_type = 'grpo'"):
-        load_config(None, ["loss.importance_sampling_level=sequence"])
+@pytest.mark.parametrize("level", ["sequence", "sequence_token"])
+def test_gspo_with_token_summing_loss_type_warns(level):
+    with pytest.warns(UserWarning, match=rf"'{level}' \(GSPO\).*GSPO objective is loss_type = 'grpo'"):
+        load_config(None, [f"loss.importance_sampling_level={level}"])
 
 
 def test_dumped_toml_is_valid_toml():
