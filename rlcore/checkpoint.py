@@ -18,6 +18,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from rlcore.model import ModelConfig, Transformer, rope_inv_freq
+from rlcore.tokenizer import checkpoint_dir_problem
+from rlcore.tokenizer import read_json as read_json_object
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -29,21 +31,17 @@ class CheckpointError(ValueError):
 
 
 def read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise CheckpointError(f"{path}: file not found")
+    """One JSON object from a file of the checkpoint (callers check that it exists)."""
     try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        return read_json_object(path)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def load_config(path: str | os.PathLike) -> ModelConfig:
     path = Path(path)
-    if not path.is_dir():
-        problem = "is a file, not a checkpoint directory" if path.exists() else "checkpoint directory not found"
-        raise CheckpointError(f"{path}: {problem}; give a Hugging Face checkpoint directory "
-                              "(config.json, *.safetensors, tokenizer.json)")
+    if problem := checkpoint_dir_problem(path):
+        raise CheckpointError(problem)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{cfg_file}: missing config.json; a Hugging Face checkpoint directory "

@@ -56,6 +56,14 @@ def read_json(path: Path) -> dict:
     return d
 
 
+def checkpoint_dir_problem(path: Path) -> str | None:
+    """Why `path` cannot be a checkpoint directory, or None when it is a directory."""
+    if path.is_dir():
+        return None
+    problem = "is a file, not a checkpoint directory" if path.exists() else "checkpoint directory not found"
+    return f"{path}: {problem}; give a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)"
+
+
 def token_content(value: Any) -> Any:
     """A special token as saved in tokenizer_config.json: a string, {"content": ...}, or null."""
     return value.get("content") if isinstance(value, dict) else value
@@ -152,10 +160,8 @@ class Tokenizer:
     def from_dir(cls, path: str | PathLike) -> "Tokenizer":
         """Load from a checkpoint dir holding tokenizer.json (and usually tokenizer_config.json)."""
         path = Path(path)
-        if not path.is_dir():
-            problem = "is a file, not a checkpoint directory" if path.exists() else "checkpoint directory not found"
-            raise FileNotFoundError(f"{path}: {problem}; give a Hugging Face checkpoint directory "
-                                    f"(config.json, *.safetensors, tokenizer.json)")
+        if problem := checkpoint_dir_problem(path):
+            raise FileNotFoundError(problem)
         file = path / "tokenizer.json"
         if not file.exists():
             raise FileNotFoundError(f"{file} not found: rlcore reads the fast-tokenizer file; create it with "

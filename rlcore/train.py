@@ -186,6 +186,7 @@ def latest_checkpoint(run: Path) -> Path:
 
 
 def load_trainer_state(ck: Path) -> dict:
+    """The optimizer, schedule, RNG and data-position state saved with checkpoint `ck`."""
     file = ck / "trainer_state.pt"
     try:
         return torch.load(file, weights_only=False)
