@@ -434,8 +434,9 @@ def _check_type(key: str, value, tp):
             choices = typing.get_args(t)
             close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
+            also = ", or true / false" if bool in base else ""
             raise ConfigError(f"{key} = {value!r} is not a valid choice; valid: "
-                              f"{', '.join(repr(c) for c in choices)}{hint}")
+                              f"{', '.join(repr(c) for c in choices)}{also}{hint}")
     raise ConfigError(f"{key} = {value!r} has type {type(value).__name__}, expected "
                       f"{_describe(tp)}; e.g. --set {key}={_example(tp)}")
 
@@ -481,7 +482,7 @@ def validate(config: Config, world_size: int = 1) -> None:
     need(G >= 2, f"rollout.num_generations = {G} must be >= 2: advantages compare completions "
                  f"of the same prompt; use 8 (TRL's default)")
     for key, v in (("per_device_train_batch_size", b), ("gradient_accumulation_steps", GA),
-                   ("steps_per_generation", S)):
+                   ("steps_per_generation", S if S != GA else 1)):  # S = GA when unset: GA's error says it
         need(v >= 1, f"train.{key} = {v} must be >= 1")
     need(world_size >= 1, f"world_size = {world_size} must be >= 1")
     if G >= 2 and b >= 1 and GA >= 1 and S >= 1 and world_size >= 1:

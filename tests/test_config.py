@@ -213,6 +213,21 @@ def test_bad_choice_lists_valid_choices():
         load_config(None, ["loss.loss_type=dapoo"])
 
 
+def test_bad_choice_of_a_field_that_also_takes_a_bool_says_so():
+    with pytest.raises(ConfigError, match=r"loss\.scale_rewards = 'yes' is not a valid choice; "
+                                          r"valid: 'group', 'batch', 'none', or true / false"):
+        load_config(None, ["loss.scale_rewards=yes"])
+
+
+def test_a_zero_gradient_accumulation_is_reported_once_not_again_as_steps_per_generation():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["train.gradient_accumulation_steps=0"])
+    assert "train.gradient_accumulation_steps = 0 must be >= 1" in str(e.value)
+    assert "steps_per_generation" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"train\.steps_per_generation = 0 must be >= 1"):
+        load_config(None, ["train.steps_per_generation=0"])
+
+
 def test_generation_batch_not_divisible_by_num_generations_shows_numbers_and_fix():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["train.per_device_train_batch_size=6", "rollout.num_generations=4"])
