@@ -36,13 +36,22 @@ def gather_rows(x: torch.Tensor, world: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def sum_over_ranks(x: float, world: int, device: torch.device) -> float:
-    """Sum of a number over ranks (the active tokens of an optimizer step, for dapo)."""
-    if world == 1:
-        return x
-    t = torch.tensor(float(x), dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.item()
+def sum_over_ranks(values: list[float], world: int, device: torch.device | None) -> list[float]:
+    """Each number summed over ranks, all in one all-reduce (token counts, metric sums)."""
+    return _all_reduce(values, world, device, "sum")
+
+
+def max_over_ranks(values: list[float], world: int, device: torch.device | None) -> list[float]:
+    """Each number's maximum over ranks, all in one all-reduce."""
+    return _all_reduce(values, world, device, "max")
+
+
+def _all_reduce(values: list[float], world: int, device: torch.device | None, op: str) -> list[float]:
+    if world == 1 or not values:
+        return [float(v) for v in values]
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t.tolist()
 
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size

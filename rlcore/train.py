@@ -196,16 +196,25 @@ def load_trainer_state(ck: Path) -> dict:
                          f"{ck.parent / 'latest'} to resume from it") from e
 
 
-def step_diagnostics(micro: list[dict]) -> dict:
-    """One optimizer step's loss diagnostics from its micro-batches' (`policy_loss` metrics plus
-    `loss`). The loss and the active-token count are summed: the step's gradient is that of the
-    sum. Every other entry is a mean over active tokens, so it is weighted by them (an unweighted
-    mean would let a micro-batch of short completions count as much as one of long ones)."""
-    tokens = sum(d["tokens"] for d in micro)
-    out = {"loss": sum(d["loss"] for d in micro), "tokens": tokens}
-    for k in micro[0]:
-        if k not in ("loss", "tokens"):
-            out[k] = sum(d[k] * d["tokens"] for d in micro) / max(tokens, 1)
+def reduce_metrics(parts: list[dict], world: int = 1, device: torch.device | None = None) -> dict:
+    """Metric dicts of micro-batches (each with `tokens`, the active tokens it averaged over),
+    combined over this rank's parts and all ranks as if computed over all their tokens at once.
+
+    `loss` is summed over the parts (the step's gradient is that of the sum) and averaged over
+    ranks (as the gradients are); `tokens` is summed; keys ending in `_max` take the maximum.
+    Every other entry is a mean over active tokens, so it is weighted by them (an unweighted
+    mean would let a micro-batch of short completions count as much as one of long ones).
+    One all-reduce of the sums and one of the maxima, whatever the number of keys.
+    """
+    means = [k for k in parts[0] if k not in ("loss", "tokens") and not k.endswith("_max")]
+    maxes = [k for k in parts[0] if k.endswith("_max")]
+    sums = [sum(d.get("loss", 0.0) for d in parts), sum(d["tokens"] for d in parts)]
+    sums = distributed.sum_over_ranks(sums + [sum(d[k] * d["tokens"] for d in parts) for k in means], world, device)
+    peaks = distributed.max_over_ranks([max(d[k] for d in parts) for k in maxes], world, device)
+    out = {"loss": sums[0] / world} if "loss" in parts[0] else {}
+    out["tokens"] = sums[1]
+    out.update({k: s / max(sums[1], 1) for k, s in zip(means, sums[2:])})
+    out.update(zip(maxes, peaks))
     return out
 
 
@@ -324,10 +333,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
         adv = adv[mine]
         acc = accuracy_fn(prompts=[ex["prompt"] for ex in rows], completions=texts, **columns)
         acc = distributed.gather_rows(torch.tensor([a or 0.0 for a in acc], device=device), world)
-        t_score = time.time() - t0
 
         # 3. Training tensors: prompt (left-padded) + completion (right-padded).
-        t0 = time.time()
         ids, attn, cids, mask, Lp = pack(ro.prompt_ids, [c[:n].tolist() for c, n in zip(ro.completion_ids, ro.lengths)],
                                          tok.pad_token_id)
         ids, attn, cids, mask = ids.to(device), attn.to(device), cids.to(device), mask.to(device)
@@ -338,8 +345,18 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
         if lc.mask_truncated_completions:
             mask = mask_truncated(mask, truncated)
         adv = adv.to(device)
+        lengths = ro.lengths.to(device)
+        every_length = distributed.gather_rows(lengths, world)  # the round's completions, all ranks
+        every_truncated = distributed.gather_rows(truncated.float(), world)
+        round_stats = {**reward_stats, "reward/accuracy": acc.mean().item(),
+                       "completion/len_mean": every_length.float().mean().item(),
+                       "completion/len_min": every_length.min().item(), "completion/len_max": every_length.max().item(),
+                       "completion/truncated_frac": every_truncated.mean().item(),
+                       "tokens_per_s/rollout": every_length.sum().item() / max(t_rollout, 1e-9)}
+        t_score = time.time() - t0
 
         # 4. old log-probs only when the round is off-policy (or TIS needs them); ref only if beta.
+        t0 = time.time()
         model.train()
         old = ref_lp = tis = None
         with torch.no_grad():
@@ -352,9 +369,14 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
             if lc.tis_mode:
                 tis = tis_weights(old, samp, mask, lc.tis_mode, min=lc.tis_min, max=lc.tis_max)
         t_old = time.time() - t0
-        mismatch = {} if old is None else rollout_mismatch(old, samp, mask, tis)  # once per round
+        # Engine vs trainer log-probs: over the round from `old` when it was computed, else per
+        # micro-batch from logp.detach() (on-policy, every micro-batch runs before the step).
+        mismatch = {} if old is None else reduce_metrics(
+            [{k: float(v) for k, v in rollout_mismatch(old, samp, mask, tis).items()}], world, device)
+        mismatch.pop("tokens", None)
         if not off_policy:
             old = None  # on-policy: old = logp.detach() inside the loop, the ratio is exactly 1
+        round_times = {"time/rollout": t_rollout, "time/scoring": t_score, "time/old_logp": t_old}
 
         # 5. Shuffle once, cut into S micro-batches, replay mu times in the same order.
         perm = torch.randperm(n, generator=shuffler, device=device)
@@ -363,11 +385,12 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
         for epoch in range(mu):
             for k, r in enumerate(micro):
                 if k % GA == 0:
-                    step_tokens = distributed.sum_over_ranks(
-                        sum(mask[micro[j]].sum() for j in range(k, k + GA)).item(), world, device)
+                    group = torch.cat(micro[k:k + GA])
+                    # active tokens of the step (for dapo) and its completion tokens (for tokens/s)
+                    step_tokens, step_len = distributed.sum_over_ranks(
+                        [mask[group].sum().item(), lengths[group].sum().item()], world, device)
                     # Each distinct prompt of this optimizer step's micro-batches runs forward once
                     # (unless there are more than b of them: then each micro-batch runs its own).
-                    group = torch.cat(micro[k:k + GA])
                     shared = SharedPrompts.build(model, ids[group], attn[group], Lp, amp, max_prompts=b)
                 logp, entropy = completion_logprobs(model, ids[r], attn[r], Lp, cids[r], rc.temperature, amp,
                                                     shared)
@@ -382,6 +405,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                                       max_completion_length=rc.max_completion_length,
                                       step_tokens=step_tokens, world_size=world)
                 loss.backward()
+                if not mismatch:
+                    m.update(rollout_mismatch(logp.detach(), samp[r], mask[r]))  # its `tokens` = m's
                 step_metrics.append({"loss": loss.item(), **{k_: float(v) for k_, v in m.items()}})
                 if (k + 1) % GA:
                     continue
@@ -408,21 +433,14 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                 sched.step()
                 step += 1
 
-                # Metrics (SPEC 6): round statistics + this step's loss diagnostics.
-                n_tok = ro.lengths.sum().item()
-                met = {"step": step, "epoch": epoch, **reward_stats,
-                       **step_diagnostics(step_metrics),
-                       "reward/accuracy": acc.mean().item(),
-                       "completion/len_mean": ro.lengths.float().mean().item(),
-                       "completion/len_min": ro.lengths.min().item(), "completion/len_max": ro.lengths.max().item(),
-                       "completion/truncated_frac": ro.truncated.float().mean().item(),
-                       "grad_norm": grad_norm.item(), "lr": lr, "skipped": not finite,
-                       "nonfinite_total": bad_total,
-                       "tokens_per_s/rollout": n_tok / max(t_rollout, 1e-9),
-                       "time/rollout": t_rollout, "time/scoring": t_score, "time/old_logp": t_old,
-                       "time/update": time.time() - t_update,
-                       "tokens_per_s/train": n_tok * (epoch + 1) / max(time.time() - t_update, 1e-9),
-                       **{k_: float(v) for k_, v in mismatch.items() if k_ != "tokens"}}
+                # Metrics (SPEC 6): the round's statistics + this step's diagnostics, all ranks. The
+                # round's phase times go on its first step (0 on the others), so times sum over steps.
+                t_step = time.time() - t_update
+                met = {"step": step, "epoch": epoch, **round_stats, **reduce_metrics(step_metrics, world, device),
+                       **mismatch, "grad_norm": grad_norm.item(), "lr": lr, "skipped": not finite,
+                       "nonfinite_total": bad_total, **round_times, "time/update": t_step,
+                       "tokens_per_s/train": step_len / max(t_step, 1e-9)}
+                round_times = dict.fromkeys(round_times, 0.0)
                 if device.type == "cuda":
                     met["memory/peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
                 else:  # peak resident set size of this process (Linux reports KiB)
@@ -433,7 +451,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                                             for k_, v in met.items()}) + "\n")  # strict JSON: NaN -> null
                 if main and (step % t.logging_steps == 0 or step == 1):
                     print(log_line(step, t.max_steps, met), flush=True)
-                step_metrics = []
+                step_metrics, t_update = [], time.time()
                 if step >= t.max_steps:
                     break
             if step >= t.max_steps:

@@ -28,7 +28,7 @@ from rlcore.embedded import build_embedded_model
 from rlcore.tasks import unique_problems
 from rlcore.tokenizer import Tokenizer
 from rlcore.losses.policy import policy_loss
-from rlcore.train import latest_checkpoint, step_diagnostics, train
+from rlcore.train import latest_checkpoint, reduce_metrics, train
 
 SEED, NUM_EVAL = 0, 16
 SMALL = ["train.device=cpu", f"data.seed={SEED}", f"data.num_eval={NUM_EVAL}", "data.num_train=256",
@@ -41,7 +41,8 @@ SPEC_KEYS = {"reward/mean", "reward/std", f"reward/{__name__}:first_digit/mean",
              "advantage/mean", "advantage/abs_mean", "completion/len_mean", "completion/len_min", "completion/len_max",
              "completion/truncated_frac", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region",
              "kl_old/k1", "kl_old/k3", "entropy", "grad_norm", "lr", "tokens_per_s/rollout",
-             "tokens_per_s/train", "time/rollout", "time/scoring", "time/old_logp", "time/update", "memory/peak_rss_gb"}
+             "tokens_per_s/train", "time/rollout", "time/scoring", "time/old_logp", "time/update", "memory/peak_rss_gb",
+             "mismatch/abs_mean", "mismatch/abs_max", "mismatch/k3"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -143,11 +144,34 @@ def test_step_metrics_weight_micro_batches_by_active_tokens():
         _, m = policy_loss(logp[rows], old[rows], adv[rows], mask[rows], **kw)
         micro.append({"loss": 0.1, **{k: float(v) for k, v in m.items()}})
     _, whole = policy_loss(logp, old, adv, mask, **kw)
-    got = step_diagnostics(micro)
+    got = reduce_metrics(micro)
     assert got["tokens"] == 22 and got["loss"] == pytest.approx(0.2)
     for k in ("kl_old/k1", "kl_old/k3", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region"):
         assert got[k] == pytest.approx(float(whole[k]), abs=1e-6), k  # clip fractions are fp32
     assert micro[0]["kl_old/k3"] != pytest.approx(micro[1]["kl_old/k3"])  # weighting matters here
+
+
+def reduce_on_two_ranks(rank, store_path, parts, out):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    out[rank] = reduce_metrics(parts[rank], world=2)
+    dist.destroy_process_group()
+
+
+def test_step_metrics_combine_ranks_as_one_batch(tmp_path):
+    """Two gloo ranks: the loss is averaged over ranks (as DDP averages gradients), token means
+    weighted by each rank's tokens, `_max` keys the maximum over both."""
+    import torch.multiprocessing as mp
+
+    parts = [[{"loss": 0.1, "tokens": 2.0, "entropy": 1.0, "mismatch/abs_max": 3.0}],
+             [{"loss": 0.2, "tokens": 4.0, "entropy": 2.0, "mismatch/abs_max": 5.0},
+              {"loss": 0.1, "tokens": 2.0, "entropy": 5.0, "mismatch/abs_max": 1.0}]]
+    out = mp.Manager().dict()
+    mp.spawn(reduce_on_two_ranks, args=(str(tmp_path / "store"), parts, out), nprocs=2)
+    expected = {"loss": (0.1 + 0.3) / 2, "tokens": 8.0, "entropy": (2 + 8 + 10) / 8, "mismatch/abs_max": 5.0}
+    for rank in (0, 1):
+        assert out[rank] == pytest.approx(expected)
 
 
 def test_training_changes_every_weight_and_the_checkpoint_holds_them(short_run, embedded_dir):
@@ -193,6 +217,22 @@ def test_second_epoch_sees_moved_ratios_and_clips(tmp_path):
     assert all(r["kl_old/k3"] < 1e-9 and r["clip_ratio/region"] == 0 for r in first), first
 
 
+def test_time_and_tokens_per_s_are_per_step_when_a_round_has_several(tmp_path):
+    # S = 2, GA = 1, mu = 2: one round of 32 completions, 4 optimizer steps of 16 each. The
+    # round's rollout/scoring/old-logp times go on its first step only, and each step's training
+    # rate covers its own completion tokens over its own update time, so over the round they
+    # add up to every completion token trained mu times.
+    run = tmp_path / "run"
+    train(config(run, "train.max_steps=4", "train.gradient_accumulation_steps=1", "train.steps_per_generation=2",
+                 "loss.num_iterations=2"))
+    got = rows(run)
+    assert [r["epoch"] for r in got] == [0, 0, 1, 1]
+    for key in ("time/rollout", "time/scoring", "time/old_logp"):
+        assert got[0][key] > 0 and all(r[key] == 0.0 for r in got[1:]), key
+    trained = sum(r["tokens_per_s/train"] * r["time/update"] for r in got)
+    assert trained == pytest.approx(got[0]["completion/len_mean"] * 32 * 2, rel=1e-9)
+
+
 @pytest.mark.parametrize("loss", [["loss.policy_loss=cispo", "loss.epsilon_high=5.0"], ["loss.policy_loss=sapo"]])
 def test_every_policy_loss_runs_and_logs(loss, tmp_path, capsys):
     run = tmp_path / "run"
@@ -219,7 +259,8 @@ def test_logged_lr_is_the_rate_the_step_used(tmp_path):
     assert [r["lr"] for r in rows(run)] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3], rel=1e-12)
 
 
-def test_mismatch_metrics_compare_engine_and_trainer_logprobs(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mu", [1, 2])  # on-policy the trainer's side is logp.detach()
+def test_mismatch_metrics_compare_engine_and_trainer_logprobs(tmp_path, monkeypatch, mu):
     # Shift the engine's sampling log-probs by c: then old - samp = c (+ fp32 noise) on every
     # valid token, and the k3 estimate of KL(samp || old) is e^c - 1 - c (samples come from samp).
     import dataclasses
@@ -234,16 +275,16 @@ def test_mismatch_metrics_compare_engine_and_trainer_logprobs(tmp_path, monkeypa
 
     monkeypatch.setattr(rlcore.train, "generate", generate_shifted)
     run = tmp_path / "run"
-    train(config(run, "train.max_steps=2", "loss.num_iterations=2"))
+    train(config(run, "train.max_steps=2", f"loss.num_iterations={mu}"))
     for r in rows(run):
         assert r["mismatch/abs_mean"] == pytest.approx(c, abs=1e-4)
         assert r["mismatch/k3"] == pytest.approx(math.exp(c) - 1 - c, abs=1e-4)
 
 
 def test_bf16_on_cpu_trains_with_a_bf16_rollout(tmp_path):
-    # train.bf16: rollout in bf16, trainer forwards under bf16 autocast (log-probs in fp32). With
-    # mu = 2 the loop measures engine vs trainer log-probs: in fp32 they agree to ~1e-6 (the
-    # test above), in bf16 they differ by bf16 rounding, which shows both ran in bf16.
+    # train.bf16: rollout in bf16, trainer forwards under bf16 autocast (log-probs in fp32). The
+    # loop measures engine vs trainer log-probs (with mu = 2 from the old pass): in fp32 they
+    # agree to ~1e-6 (the test above), in bf16 they differ by bf16 rounding: both ran in bf16.
     run = tmp_path / "run"
     train(config(run, "train.max_steps=2", "loss.num_iterations=2", "train.bf16=true"))
     got = rows(run)
