@@ -279,7 +279,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
 
     opt = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
                             eps=t.adam_epsilon, weight_decay=t.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, t.max_steps))
+    schedule = lr_lambda(cfg, t.max_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     sampler = torch.Generator(device=device).manual_seed(rc.seed + rank)  # rollout sampling
     shuffler = torch.Generator(device=device).manual_seed(t.seed)   # micro-batch order
     step, data_pos, bad_in_row, bad_total = 0, 0, 0, 0
@@ -288,12 +289,17 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
         st = load_trainer_state(ck)
         opt.load_state_dict(st["optimizer"])
         sched.load_state_dict(st["scheduler"])
+        # The saved rate came from the saved run's schedule; a resume with a larger max_steps
+        # follows this run's from here on (the same rate when max_steps is unchanged).
+        for group, base in zip(opt.param_groups, sched.base_lrs):
+            group["lr"] = base * schedule(sched.last_epoch)
         if len(st["sampler_rng"]) != world:
             raise ValueError(f"{ck} was saved by {len(st['sampler_rng'])} ranks; resume it with as many")
         sampler.set_state(st["sampler_rng"][rank])
         shuffler.set_state(st["shuffler_rng"])
         torch.set_rng_state(st["torch_rng"])
         step, data_pos, bad_total, before = st["step"], st["data_pos"], st["nonfinite_total"], st["before"]
+        bad_in_row = st.get("nonfinite_in_row", 0)  # absent from checkpoints of earlier versions
         if main:
             keep = metrics_file.read_text().splitlines()[:step]  # one row per step; later (torn) rows go
             metrics_file.write_text("".join(ln + "\n" for ln in keep))
@@ -429,7 +435,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                         raise RuntimeError(f"{bad_in_row} non-finite steps in a row (train.max_nonfinite_steps="
                                            f"{t.max_nonfinite_steps}); lower the learning rate or check rewards")
                 opt.zero_grad(set_to_none=True)
-                lr = sched.get_last_lr()[0]  # the rate this step used, before the schedule moves on
+                lr = opt.param_groups[0]["lr"]  # the rate this step used, before the schedule moves on
                 sched.step()
                 step += 1
 
@@ -466,7 +472,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
             if main:
                 state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "sampler_rng": samplers,
                          "shuffler_rng": shuffler.get_state(), "torch_rng": torch.get_rng_state(), "step": step,
-                         "data_pos": data_pos, "nonfinite_total": bad_total, "before": before}
+                         "data_pos": data_pos, "nonfinite_total": bad_total, "nonfinite_in_row": bad_in_row,
+                         "before": before}
                 save_checkpoint(run, step, model, Path(model_dir), state)
 
     if main and step % steps_per_round:

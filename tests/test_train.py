@@ -367,6 +367,30 @@ def test_resume_after_a_crash_matches_an_uninterrupted_run(tmp_path, monkeypatch
     assert [strip(r) for r in rows(tmp_path / "b")] == [strip(r) for r in rows(tmp_path / "a")]
 
 
+def test_resume_with_a_larger_max_steps_follows_the_new_schedule(tmp_path):
+    # A finished 2-step cosine run ends at rate 0; extended to 4 steps, steps 3 and 4 run at the
+    # rates of a 4-step run, not at the old schedule's final 0 (it was restored with the optimizer).
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(config(a, "train.max_steps=4", "train.lr_scheduler_type=cosine"))
+    train(config(b, "train.max_steps=2", "train.lr_scheduler_type=cosine"))
+    train(config(b, "train.max_steps=4", "train.lr_scheduler_type=cosine"), resume=b)
+    assert [r["lr"] for r in rows(b)][2:] == [r["lr"] for r in rows(a)][2:]
+    assert rows(a)[2]["lr"] > 0
+
+
+def test_resume_keeps_counting_nonfinite_steps_in_a_row(tmp_path, monkeypatch):
+    # Step 2 is non-finite and checkpointed; step 3 is too: with max_nonfinite_steps=2 the resumed
+    # run stops at step 3, as an uninterrupted one does (the count in a row is saved).
+    run = tmp_path / "run"
+    aggregate_nan_on(monkeypatch, {2})
+    train(config(run, "train.max_steps=2", "train.max_nonfinite_steps=2", "train.lr_scheduler_type=constant"))
+    monkeypatch.undo()
+    aggregate_nan_on(monkeypatch, {1})  # the resumed run's first step is step 3
+    with pytest.raises(RuntimeError, match=r"2 non-finite steps in a row"):
+        train(config(run, "train.max_steps=4", "train.max_nonfinite_steps=2", "train.lr_scheduler_type=constant"),
+              resume=run)
+
+
 def test_resume_drops_a_metrics_row_torn_by_the_crash(tmp_path, monkeypatch):
     # The process dies while appending row 3 (after checkpoint-2): the file ends in half a row.
     import rlcore.train
