@@ -90,7 +90,7 @@ class RolloutArgs:
     min_p: float = 0.0
     """drop tokens less likely than min_p times the most likely one (0.0 = off)"""
     stop: list[str] = field(default_factory=list)
-    """strings that end a completion, in addition to EOS"""
+    """strings that end a completion, in addition to EOS (matched on each string's own token ids)"""
     seed: int | None = None
     """sampling seed; None = train.seed"""
 

@@ -100,3 +100,26 @@ def test_masked_tokens_are_never_drawn():
     logits[:, ::2] = float("-inf")
     tokens, _, _ = sample(logits, generator=torch.Generator().manual_seed(4))
     assert (tokens % 2 == 1).all()
+
+
+@pytest.mark.parametrize("case", [dict(top_k=50), dict(top_p=0.9), dict(top_p=0.95), dict(min_p=0.05),
+                                  dict(top_k=200, top_p=0.9, min_p=0.01)],
+                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_filter_keeps_the_set_transformers_keeps_on_tied_logits(case):
+    """bf16-rounded logits over a 32000 vocabulary (a bf16 rollout's): many ties, including at
+    the top-k and top-p edges, and a long tail; the kept set must be transformers' own."""
+    transformers = pytest.importorskip("transformers", reason="transformers is the reference")
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(64, 32000, generator=g) * 4).bfloat16().float()
+    warpers = []
+    if case.get("top_k"):
+        warpers.append(transformers.TopKLogitsWarper(case["top_k"]))
+    if case.get("top_p"):
+        warpers.append(transformers.TopPLogitsWarper(case["top_p"]))
+    if case.get("min_p"):
+        warpers.append(transformers.MinPLogitsWarper(case["min_p"]))
+    ref = logits.clone()
+    for w in warpers:
+        ref = w(None, ref)
+    got = filter_logits(logits, case.get("top_k", 0), case.get("top_p", 1.0), case.get("min_p", 0.0))
+    assert torch.equal(got.isfinite(), ref.isfinite())

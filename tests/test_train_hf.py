@@ -1,8 +1,10 @@
 """The loop on a real-format Hugging Face checkpoint: Qwen2 weights + a Qwen2.5-style tokenizer
 with its chat template, GSM8K-style JSONL prompts. Everything rlcore writes must load back in
-transformers (weights and tokenizer) and agree with rlcore."""
+transformers (weights and tokenizer) and agree with rlcore. The shipped GSM8K config runs on it,
+and a Llama-style tokenizer (which prepends BOS) gets its stop strings right."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,9 +12,12 @@ import torch
 from conftest import make_hf_model
 from rlcore.checkpoint import load_model
 from rlcore.config import load_config
+from rlcore.data import format_prompt
 from rlcore.tokenizer import Tokenizer
 from rlcore.train import train
-from test_tokenizer import qwen2_pipeline_checkpoint
+from test_tokenizer import llama_checkpoint, qwen2_pipeline_checkpoint
+
+GSM8K_CONFIG = Path(__file__).parent.parent / "configs" / "qwen2.5-0.5b-gsm8k.toml"
 
 transformers = pytest.importorskip("transformers")
 
@@ -67,3 +72,50 @@ def test_loop_trains_an_hf_checkpoint_and_writes_one_transformers_loads(qwen_dir
     messages = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "What is 2 plus 3?"}]
     assert Tokenizer.from_dir(saved).apply_chat_template(messages, tokenize=True) == \
         hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def test_the_shipped_gsm8k_config_trains_a_step(qwen_dir, gsm8k_file, tmp_path):
+    """configs/qwen2.5-0.5b-gsm8k.toml as shipped (columns, system prompt, chat template, rewards,
+    bf16, batch sizes), with what a user passes and what a CPU needs: device, one step, short outputs."""
+    run = tmp_path / "run"
+    cfg = load_config(str(GSM8K_CONFIG), [
+        f"model.path={qwen_dir}", f"data.path={gsm8k_file}", f"data.eval_path={gsm8k_file}", "train.device=cpu",
+        "train.max_steps=1", "rollout.max_completion_length=8", "train.eval_max_completion_length=8",
+        f"train.output_dir={run}"])
+    assert (cfg.train.bf16, cfg.data.use_chat_template, cfg.loss.reward_funcs) == (True, True, ["accuracy", "format"])
+    tok = Tokenizer.from_dir(qwen_dir)  # the prompt the run feeds the model: ChatML with the system prompt
+    assert tok.decode(format_prompt({"prompt": "How many?"}, tok, cfg.data.system_prompt, True)) == (
+        f"<|im_start|>system\n{cfg.data.system_prompt}<|im_end|>\n<|im_start|>user\nHow many?<|im_end|>\n"
+        "<|im_start|>assistant\n")
+
+    train(cfg)
+    (row,) = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert row["loss"] is not None and not row["skipped"] and {"reward/accuracy/mean", "reward/format/mean"} <= set(row)
+    before, after = load_model(qwen_dir), load_model(run / "checkpoint-1" / "model")
+    assert not torch.equal(before.model.norm.weight, after.model.norm.weight)
+
+
+def test_stop_strings_are_encoded_without_the_bos_a_llama_tokenizer_adds(gsm8k_file, tmp_path, monkeypatch):
+    """A stop string is matched on its token ids; with BOS prepended it could never match."""
+    import rlcore.train
+
+    path = llama_checkpoint(tmp_path / "llama")
+    tok = Tokenizer.from_dir(path)
+    assert tok.encode("</answer>")[0] == tok.bos_token_id  # this tokenizer's post-processor adds BOS
+    model = make_hf_model("llama", vocab_size=512)
+    model.config.eos_token_id, model.config.bos_token_id = tok.eos_token_id, tok.bos_token_id
+    model.save_pretrained(path)
+    seen, real = [], rlcore.train.generate
+
+    def spy(*args, **kwargs):  # records the rollout's stops (the greedy eval passes none)
+        if "stop_sequences" in kwargs:
+            seen.append(kwargs["stop_sequences"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rlcore.train, "generate", spy)
+    train(load_config(None, [
+        f"model.path={path}", "data.task=jsonl", f"data.path={gsm8k_file}", "data.prompt_column=question",
+        "data.num_eval=4", "data.use_chat_template=false", "rollout.num_generations=4",
+        "rollout.max_completion_length=6", 'rollout.stop=["</answer>"]', "train.per_device_train_batch_size=8",
+        "train.max_steps=1", "train.device=cpu", f"train.output_dir={tmp_path / 'run'}"]))
+    assert seen == [[tok.encode("</answer>", add_special_tokens=False)]]

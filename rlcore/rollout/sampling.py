@@ -45,11 +45,13 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0,
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits.masked_fill_(logits < kth, float("-inf"))
     if top_p < 1.0:
+        # transformers' formulation: ascending order, drop the tokens whose cumulative mass from
+        # the bottom is at most 1 - top_p (the same set as "the mass ranked above reaches top_p",
+        # but summed small-to-large, which is the accurate order, and ties break as there).
         # Sorting the vocabulary is the expensive part (O(V log V) per row).
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        mass_before = probs.cumsum(-1) - probs  # probability of the tokens ranked above
-        drop_sorted = mass_before >= top_p      # the set above already reached top_p
+        sorted_logits, order = torch.sort(logits, dim=-1)
+        drop_sorted = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop_sorted[:, -1] = False  # the most likely token always stays
         logits.masked_fill_(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
     if min_p > 0.0:
         probs = logits.softmax(-1)
@@ -63,7 +65,9 @@ def draw(logits: torch.Tensor, generator: torch.Generator | None = None):
 
     Inverse CDF: one uniform per row, searched in the running sum of exp(logits - max).
     On CPU this is ~25x faster than `torch.multinomial` at V = 32000 and B = 64 (80 ms vs
-    3 ms per step), and exact up to the fp32 rounding of the running sum.
+    3 ms per step). Exact up to fp32 granularity (the uniform is a multiple of 2^-24, the running
+    sum fp32): within ~4e-4 total variation of the softmax at V = 32000, with tokens far below
+    2^-24 drawn too rarely; the returned log-prob is exact.
     """
     top = logits.amax(-1, keepdim=True)
     z = (logits - top).exp_()
