@@ -38,19 +38,19 @@ def gather_rows(x: torch.Tensor, world: int) -> torch.Tensor:
 
 def sum_over_ranks(values: list[float], world: int, device: torch.device | None) -> list[float]:
     """Each number summed over ranks, all in one all-reduce (token counts, metric sums)."""
-    return _all_reduce(values, world, device, "sum")
+    return _all_reduce(values, world, device, dist.ReduceOp.SUM)
 
 
 def max_over_ranks(values: list[float], world: int, device: torch.device | None) -> list[float]:
     """Each number's maximum over ranks, all in one all-reduce."""
-    return _all_reduce(values, world, device, "max")
+    return _all_reduce(values, world, device, dist.ReduceOp.MAX)
 
 
-def _all_reduce(values: list[float], world: int, device: torch.device | None, op: str) -> list[float]:
+def _all_reduce(values: list[float], world: int, device: torch.device | None, op) -> list[float]:
     if world == 1 or not values:
         return [float(v) for v in values]
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=op)
     return t.tolist()
 
 
