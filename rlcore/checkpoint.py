@@ -8,9 +8,11 @@ copy of the weights. Saving writes the same layout transformers writes, so
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -75,33 +77,77 @@ def weight_files(path: Path) -> dict[str, Path]:
         raise CheckpointError(f"{single}: unreadable safetensors file ({e}); is it truncated?") from None
 
 
+def listed(names: list[str]) -> str:
+    return f"{names[:8]}{' ...' if len(names) > 8 else ''}"
+
+
+def stored_names(files: dict[str, Path]) -> dict[str, str]:
+    """Map each parameter name of the model to its name in the files, as transformers does:
+    a base-model checkpoint (`embed_tokens.weight`, `layers.0...`, no `model.` prefix) gets the
+    prefix, and the RoPE `rotary_emb.inv_freq` buffers older exporters saved are dropped."""
+    names = [n for n in files if not n.endswith("rotary_emb.inv_freq")]
+    base_model = not any(n.startswith("model.") for n in names)
+    return {(f"model.{n}" if base_model and n != "lm_head.weight" else n): n for n in names}
+
+
+def tied_copy_differs(files: dict[str, Path], stored: dict[str, str]) -> bool:
+    """Whether a tied checkpoint also stores an `lm_head.weight` that is not the embedding."""
+    if "lm_head.weight" not in stored or "model.embed_tokens.weight" not in stored:
+        return False
+    tensors = []
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+        file = files[stored[name]]
+        try:
+            with safe_open(file, framework="pt") as f:
+                tensors.append(f.get_tensor(stored[name]))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{file}: unreadable safetensors file ({e}); is it truncated?") from None
+    return tensors[0].shape != tensors[1].shape or not torch.equal(*tensors)
+
+
 def load_model(path: str | os.PathLike, dtype: torch.dtype | str = torch.float32,
                device: torch.device | str = "cpu") -> Transformer:
-    """Load a Llama / Qwen2 / Qwen3 checkpoint directory into an rlcore `Transformer`."""
+    """Load a Llama / Qwen2 / Qwen3 checkpoint directory into an rlcore `Transformer`.
+
+    Tensor names follow transformers' rules: a tied config ignores a stored copy of the
+    embedding as `lm_head.weight`, but a different stored `lm_head.weight` unties the model (with
+    a warning, as transformers does); tensors the model has no place for are skipped with a
+    warning; a missing tensor is an error.
+    """
     path = Path(path)
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     cfg = load_config(path)
+    files = weight_files(path)
+    stored = stored_names(files)
+    if cfg.tie_word_embeddings and tied_copy_differs(files, stored):
+        warnings.warn(f"{path}: config.json ties lm_head to embed_tokens, but the checkpoint stores a "
+                      "different lm_head.weight; loading it untied, as transformers does (a saved copy "
+                      "says tie_word_embeddings=false)")
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False, raw={**cfg.raw, "tie_word_embeddings": False})
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = {k: v.shape for k, v in model.state_dict().items()}
-    files = weight_files(path)
-    names = set(files)
     if cfg.tie_word_embeddings:
-        names.discard("lm_head.weight")  # some exporters write the tied copy; it is ignored
-    missing, unexpected = sorted(set(expected) - names), sorted(names - set(expected))
-    if missing or unexpected:
+        stored.pop("lm_head.weight", None)  # the tied copy some exporters write, equal to the embedding
+    missing, unexpected = sorted(set(expected) - set(stored)), sorted(set(stored) - set(expected))
+    if missing:
         raise CheckpointError(
             f"{path}: tensor names do not match a {cfg.model_type} model with this config.json: "
-            f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
-            f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+            f"missing {listed(missing)}" + (f", unexpected {listed(unexpected)}" if unexpected else "") +
+            "; check that config.json belongs to these weights and that no shard is left out")
+    if unexpected:
+        warnings.warn(f"{path}: skipping {len(unexpected)} tensors a {cfg.model_type} model with this "
+                      f"config.json has no place for (transformers skips them too): {listed(unexpected)}")
+    wanted = {stored[name]: name for name in expected}  # name in the file -> name in the model
     state = {}
     for file in sorted(set(files.values())):
         try:
             with safe_open(file, framework="pt", device=str(device)) as f:
-                for name in f.keys():
-                    if name not in expected:
+                for key in f.keys():
+                    name = wanted.get(key)
+                    if name is None or files.get(key) != file:
                         continue
-                    t = f.get_tensor(name)
+                    t = f.get_tensor(key)
                     if t.shape != expected[name]:
                         raise CheckpointError(f"{file}: tensor {name} has shape {tuple(t.shape)}, "
                                               f"config.json implies {tuple(expected[name])}")
@@ -156,7 +202,9 @@ def save_model(model: Transformer, path: str | os.PathLike, max_shard_bytes: int
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     config = dict(model.config.raw)
     dtype_name = str(next(iter(sd.values())).dtype).removeprefix("torch.")
-    config["torch_dtype"] = dtype_name
+    # transformers >= 5 reads `dtype`, older versions `torch_dtype`; a stale one of the two
+    # (copied from the source config) would reload fp32 weights as bf16
+    config["dtype"] = config["torch_dtype"] = dtype_name
     with open(tmp / "config.json", "w") as f:
         json.dump(config, f, indent=2)
     for name, src in (extra_files or {}).items():

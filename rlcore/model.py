@@ -6,7 +6,7 @@ One module covers all three; they differ only in a few switches read from `confi
 |--------|------------|--------|-------------|----------|
 | llama  | attention_bias | attention_bias | no | hidden/heads unless given |
 | qwen2  | yes        | no     | no          | hidden/heads |
-| qwen3  | attention_bias | attention_bias | yes (per head) | explicit |
+| qwen3  | attention_bias | attention_bias | yes (per head) | explicit (default 128) |
 
 Parameter names match Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...) so a
 checkpoint's state dict loads with no renaming and saves back the same way.
@@ -85,20 +85,7 @@ class ModelConfig:
             raise ValueError(f"{source}: hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
         if d.get("use_sliding_window", False):
             raise ValueError(f"{source}: use_sliding_window=true is not supported; set it to false")
-        # transformers >= 5 writes rope settings as `rope_parameters`; older files use
-        # `rope_theta` + `rope_scaling`. Accept both.
-        rope = dict(d.get("rope_parameters") or {})
-        theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
-        scaling = rope or d.get("rope_scaling")
-        if scaling is not None:
-            scaling = dict(scaling)
-            kind = scaling.get("rope_type", scaling.get("type", "default"))
-            if kind not in SUPPORTED_ROPE_TYPES:
-                raise ValueError(f"{source}: rope type {kind!r} is not supported; supported: "
-                                 f"{', '.join(SUPPORTED_ROPE_TYPES)}")
-            scaling["rope_type"] = kind
-            if kind == "default":
-                scaling = None
+        theta, scaling = read_rope(d, source)
         attention_bias = bool(d.get("attention_bias", False))
         return cls(
             model_type=model_type,
@@ -108,7 +95,8 @@ class ModelConfig:
             num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            # transformers' Qwen3Config defaults head_dim to 128; Llama and Qwen2 derive it
+            head_dim=d.get("head_dim") or (128 if model_type == "qwen3" else d["hidden_size"] // heads),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=scaling,
@@ -120,6 +108,54 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
             raw=dict(d),
         )
+
+
+def read_rope(d: dict, source: str = "config.json") -> tuple[float, dict | None]:
+    """(rope_theta, scaling dict or None) from a parsed `config.json`, as transformers reads it.
+
+    transformers >= 5 writes `rope_parameters` (theta inside); older files have `rope_theta` and
+    `rope_scaling`. When a file has both (say a v5 config with `rope_scaling` added by hand),
+    transformers takes `rope_scaling`, with the theta from outside `rope_parameters`. So does
+    rlcore, but when `rope_parameters` holds another theta or another scaling the file is
+    ambiguous, and it is rejected rather than read one way here and another way there.
+    """
+    def settings(x: dict) -> dict:
+        out = {("rope_type" if k == "type" else k): v for k, v in x.items() if k != "rope_theta"}
+        out.setdefault("rope_type", "default")
+        return out
+
+    params, legacy = d.get("rope_parameters"), d.get("rope_scaling")
+    for key, value in (("rope_parameters", params), ("rope_scaling", legacy)):
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"{source}: {key} = {value!r} must be an object (or null)")
+    outside = d.get("rope_theta", 10000.0)  # transformers' default theta for all three families
+    if legacy:
+        theta, scaling = legacy.get("rope_theta", outside), settings(legacy)
+        if params and (params.get("rope_theta", outside) != theta
+                       or settings(params) not in (scaling, {"rope_type": "default"})):
+            raise ValueError(
+                f"{source}: rope_parameters = {params} and rope_scaling = {legacy} disagree (transformers "
+                f"reads rope_scaling and rope_theta = {theta}); keep only one of the two keys")
+    else:
+        theta, scaling = (params or {}).get("rope_theta", outside), settings(params or {})
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise ValueError(f"{source}: rope_theta = {theta!r} must be a positive number")
+    kind = scaling["rope_type"]
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"{source}: rope type {kind!r} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    if kind == "default":
+        return float(theta), None
+    required = ("factor",) if kind == "linear" else ("factor", "low_freq_factor", "high_freq_factor")
+    if kind == "llama3":  # transformers falls back to max_position_embeddings, so does rlcore
+        scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 2048))
+        required += ("original_max_position_embeddings",)
+    for key in required:
+        value = scaling.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"{source}: {kind} rope scaling needs a positive number {key}, got "
+                             f"{value!r} in {scaling}")
+    return float(theta), scaling
 
 
 class RMSNorm(nn.Module):

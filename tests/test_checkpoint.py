@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -63,6 +64,82 @@ def test_resave_replaces_existing_directory_atomically(hf_checkpoint, tmp_path):
     save_model(model, out / "ck")
     assert sorted(p.name for p in out.iterdir()) == ["ck"]
     assert torch.equal(load_model(out / "ck").model.norm.weight, model.model.norm.weight)
+
+
+def test_bf16_checkpoint_loaded_in_fp32_saves_as_fp32_for_transformers(tmp_path):
+    """A transformers-5 config says `dtype`; a saved copy that kept the source's "bfloat16" made
+    transformers load the fp32 weights as bf16 and lose small updates."""
+    transformers = pytest.importorskip("transformers")
+    from conftest import make_hf_model
+
+    make_hf_model("qwen2").to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    model = load_model(tmp_path / "bf16")  # fp32 by default
+    with torch.no_grad():
+        model.model.norm.weight.add_(1e-3)  # below bf16's resolution around 0.1-1
+    out = save_model(model, tmp_path / "saved")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()  # dtype from config.json
+    assert hf.dtype == torch.float32
+    with torch.no_grad():
+        assert torch.equal(hf(IDS).logits, logits(model, IDS))
+
+
+def rewrite_tensors(path, change):
+    sd = load_file(path / "model.safetensors")
+    save_file(change(sd), path / "model.safetensors", metadata={"format": "pt"})
+
+
+def transformers_logits(path):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(IDS).logits
+
+
+@pytest.mark.parametrize("case", ["legacy_rotary_buffers", "no_model_prefix", "extra_tensor"])
+def test_tensor_names_transformers_accepts_load_the_same(case, hf_checkpoint):
+    """Names transformers loads past: the RoPE buffers older Llama exports saved (ignored), a
+    base-model file without the `model.` prefix (tied, so complete), an unknown tensor (skipped)."""
+    path, _ = hf_checkpoint("llama_tied")
+    ref = logits(load_model(path), IDS)
+    if case == "legacy_rotary_buffers":
+        rewrite_tensors(path, lambda sd: {**sd, **{f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(8)
+                                                   for i in range(2)}})
+    elif case == "no_model_prefix":
+        rewrite_tensors(path, lambda sd: {k.removeprefix("model."): v for k, v in sd.items()})
+    else:
+        rewrite_tensors(path, lambda sd: {**sd, "model.extra.weight": torch.zeros(3)})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = load_model(path)
+    assert torch.equal(logits(model, IDS), ref)
+    assert torch.equal(transformers_logits(path), ref)
+    skipped = [str(w.message) for w in caught if "skipping" in str(w.message)]
+    if case == "extra_tensor":
+        assert len(skipped) == 1 and "model.extra.weight" in skipped[0]
+    else:
+        assert skipped == []
+
+
+def test_tied_config_with_a_different_stored_lm_head_loads_untied_like_transformers(hf_checkpoint, tmp_path):
+    path, _ = hf_checkpoint("qwen2_tied")
+    head = torch.randn(128, 64, generator=torch.Generator().manual_seed(5))
+    rewrite_tensors(path, lambda sd: {**sd, "lm_head.weight": head})
+    with pytest.warns(UserWarning, match="different lm_head.weight; loading it untied"):
+        model = load_model(path)
+    assert torch.equal(model.lm_head_weight, head)
+    assert torch.equal(logits(model, IDS), transformers_logits(path))
+    out = save_model(model, tmp_path / "saved")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    assert torch.equal(transformers_logits(out), logits(model, IDS))
+
+
+def test_tied_config_with_a_stored_copy_of_the_embedding_stays_tied(hf_checkpoint):
+    path, _ = hf_checkpoint("qwen2_tied")
+    rewrite_tensors(path, lambda sd: {**sd, "lm_head.weight": sd["model.embed_tokens.weight"].clone()})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = load_model(path)
+    assert model.config.tie_word_embeddings and model.lm_head_weight is model.model.embed_tokens.weight
 
 
 # --- bad input: each error names the file and the problem ---

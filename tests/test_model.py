@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from conftest import FAMILIES, make_hf_model
-from rlcore.checkpoint import load_model
+from conftest import FAMILIES, LLAMA3_ROPE, make_hf_model
+from rlcore.checkpoint import CheckpointError, load_model
 from rlcore.model import KVCache, ModelConfig, Transformer, padded_causal_mask, rope_inv_freq
 
 TOL = 1e-4
@@ -82,3 +82,65 @@ def test_config_reads_pre_v5_rope_keys():
     cfg = ModelConfig.from_hf(d)
     assert cfg.rope_theta == 500000.0 and cfg.rope_scaling["rope_type"] == "llama3"
     assert cfg.head_dim == 4 and cfg.num_key_value_heads == 2
+
+
+# --- config.json variants read as transformers reads them ---
+
+def edit_config(path, **changes):
+    """Rewrite path/config.json with `changes` (None deletes a key)."""
+    cfg = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def transformers_logits(path, ids):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return hf_logits(hf, ids)
+
+
+IDS = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(4))
+
+
+@pytest.mark.parametrize("family, changes", [
+    # a transformers-5 config (default rope_parameters) with the legacy key added by hand:
+    # transformers applies rope_scaling
+    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    # llama3 scaling without original_max_position_embeddings: max_position_embeddings stands in
+    ("llama3_rope", {"rope_parameters": {k: v for k, v in {**LLAMA3_ROPE, "rope_theta": 5e5}.items()
+                                         if k != "original_max_position_embeddings"}}),
+    # Qwen3 without head_dim: transformers' Qwen3Config default (128), not hidden / heads
+    ("qwen3", {"head_dim": None}),
+])
+def test_config_variants_match_transformers(family, changes, hf_checkpoint):
+    overrides = {"head_dim": 128} if family == "qwen3" else {}
+    path, _ = hf_checkpoint(family, **overrides)
+    edit_config(path, **changes)
+    model = load_model(path)
+    with torch.no_grad():
+        ours = model.logits(model(IDS))
+    assert (ours - transformers_logits(path, IDS)).abs().max().item() <= TOL
+
+
+def test_rope_keys_that_disagree_are_rejected(hf_checkpoint):
+    path, _ = hf_checkpoint("llama3_rope")  # rope_parameters: llama3
+    edit_config(path, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    with pytest.raises(CheckpointError, match=r"rope_parameters = .*llama3.* and rope_scaling = .*linear.* "
+                                              r"disagree.*keep only one"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("scaling, message", [
+    ({"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}, "needs a positive number low_freq_factor"),
+    ({"rope_type": "linear"}, "needs a positive number factor"),
+    ({"rope_type": "linear", "factor": "4"}, "needs a positive number factor, got '4'"),
+])
+def test_incomplete_rope_scaling_is_named(scaling, message):
+    d = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+         "num_hidden_layers": 1, "num_attention_heads": 2, "rope_scaling": scaling}
+    with pytest.raises(ValueError, match=r"config\.json: .*" + message):
+        ModelConfig.from_hf(d)
