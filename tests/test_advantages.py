@@ -29,10 +29,12 @@ def test_scale_rewards_true_is_group():
 
 
 def test_batch_scaling_divides_by_batch_std():
-    rewards = torch.tensor([[1.0], [2.0], [3.0], [0.0], [0.0], [6.0]])
+    # group means 2 and 12 (not the batch mean 7), so the std of the rewards differs from the
+    # std of the group-centred rewards [-1, 0, 1, -2, -2, 4] (which would be sqrt(26/5))
+    rewards = torch.tensor([[1.0], [2.0], [3.0], [10.0], [10.0], [16.0]])
     adv, _ = compute_advantages(rewards, num_generations=3, scale_rewards="batch")
-    # batch: values 1,2,3,0,0,6, mean 2, squared deviations 1,0,1,4,4,16 -> var 26/5
-    s = math.sqrt(26 / 5) + 1e-4
+    # batch: deviations from 7 are -6,-5,-4,3,3,9, squares sum to 176 -> Bessel var 176/5
+    s = math.sqrt(176 / 5) + 1e-4
     close(adv, [-1 / s, 0.0, 1 / s, -2 / s, -2 / s, 4 / s])
 
 
@@ -67,11 +69,14 @@ def test_unscorable_row_gets_zero_advantage_and_leaves_group_stats():
 
 
 def test_equal_rewards_give_exactly_zero_advantage():
-    # 0.1 * 3 / 3 != 0.1 in floating point; the group must still get exactly 0
-    rewards = torch.tensor([[0.1], [0.1], [0.1], [0.0], [1.0], [0.0]])
+    # seven weighted rewards 0.3 * 0.1 sum to a mean that is not exactly 0.3 * 0.1 in fp64
+    # (r - mean is ~3e-18, and ~3e-14 after dividing by the std + 1e-4); the group must get 0
+    rewards = torch.tensor([[0.1]] * 7 + [[0.0]] * 6 + [[1.0]])
+    r = 0.3 * rewards[:7, 0].double()
+    assert (r - r.mean()).abs().max() > 0  # the input exercises the rounding
     for scale in ("group", "batch", "none"):
-        adv, _ = compute_advantages(rewards, 3, scale_rewards=scale)
-        assert adv[:3].tolist() == [0.0, 0.0, 0.0]
+        adv, _ = compute_advantages(rewards, 7, reward_weights=[0.3], scale_rewards=scale)
+        assert adv[:7].tolist() == [0.0] * 7
 
 
 def test_frac_reward_zero_std_counts_groups_without_signal():
@@ -80,6 +85,13 @@ def test_frac_reward_zero_std_counts_groups_without_signal():
     adv, stats = compute_advantages(rewards, num_generations=2)
     assert stats["frac_reward_zero_std"] == pytest.approx(3 / 4)
     assert adv[[0, 1, 4, 5, 6, 7]].tolist() == [0.0] * 6
+
+
+def test_a_group_with_a_tiny_reward_difference_is_not_zero_std():
+    rewards = torch.tensor([[0.0], [5e-4], [1.0], [1.0]])
+    adv, stats = compute_advantages(rewards, num_generations=2, scale_rewards="none")
+    assert stats["frac_reward_zero_std"] == pytest.approx(1 / 2)
+    close(adv[:2], [-2.5e-4, 2.5e-4])
 
 
 def test_stats_report_reward_and_advantage_summaries_as_floats():

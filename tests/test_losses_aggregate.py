@@ -22,6 +22,13 @@ def test_grpo_is_mean_of_per_sequence_token_means_over_ga():
     assert agg("grpo").item() == pytest.approx((6 / 3 + 4 / 1) / 2 / 2)
 
 
+def test_grpo_counts_a_fully_masked_row_in_the_mean_over_rows():
+    # SPEC 5 and 8: the mean is over all B rows; the masked row contributes 0 (not left out)
+    mask = torch.cat([MASK, torch.zeros(1, 4)])
+    per_token = torch.cat([PER_TOKEN, torch.full((1, 4), 7.0)])
+    assert agg("grpo", per_token, mask).item() == pytest.approx((6 / 3 + 4 / 1 + 0) / 3 / 2)
+
+
 def test_bnpo_is_micro_batch_token_mean_over_ga():
     assert agg("bnpo").item() == pytest.approx(10 / 4 / 2)
 

@@ -84,6 +84,13 @@ def test_token_mask_zeroes_ratios_outside_the_bounds():
     assert_close(tis_weights(OLD, SAMP, MASK, "token_mask", min=0.6, max=2.0)[0], [0.0, 1.5, 0.0])
 
 
+@pytest.mark.parametrize("mode", ["token_mask", "sequence_mask"])
+def test_tis_mask_keeps_ratios_on_the_bounds(mode):
+    # SPEC 4: "set to 0 outside [min, max]", a closed interval; ratio exactly 1 = both bounds
+    zeros = torch.zeros(1, 3, dtype=torch.float64)
+    assert tis_weights(zeros, zeros, torch.ones_like(zeros), mode, min=1.0, max=1.0).unique().tolist() == [1.0]
+
+
 def test_sequence_truncate_clamps_the_product_of_valid_token_ratios():
     assert_close(tis_weights(OLD, SAMP, MASK, "sequence_truncate", max=2.0), [[2.0], [1.5]])
 

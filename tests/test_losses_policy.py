@@ -97,6 +97,16 @@ def test_delta_above_one_plus_epsilon_high_binds_only_negative_advantages():
     assert metrics["delta_bound"].item() == pytest.approx(2 / 8)
 
 
+def test_delta_below_one_plus_epsilon_high_leaves_the_clipped_branch_unclamped():
+    # SPEC 3: "clipped is still computed from the unclamped r"; with delta = 1.2 < 1.28 the A=+1
+    # row is capped at delta, and the A=-1 row still takes the clip bound 1.28 (not 1.2)
+    logp, old, adv, mask = setup([0.5, 1.1, 1.5, 3.0])
+    loss, metrics = policy_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=0.28, delta=1.2)
+    assert_close(loss, [[-0.5, -1.1, -1.2, -1.2], [0.8, 1.1, 1.28, 1.28]])
+    assert_close(grad_of(loss, logp), [[-0.5, -1.1, 0.0, 0.0], [0.0, 1.1, 0.0, 0.0]])
+    assert metrics["delta_bound"].item() == pytest.approx(2 / 8)
+
+
 # GSPO ------------------------------------------------------------------------------------
 
 def test_sequence_log_weight_is_masked_mean_of_token_log_ratios():
@@ -152,6 +162,16 @@ def test_cispo_weights_logp_by_the_capped_detached_ratio():
     assert_close(loss, (-w * 2.0 * logp).detach())
     assert_close(grad_of(loss, logp), -w * 2.0)  # no gradient through the ratio
     assert metrics["clip_ratio/high"].item() == pytest.approx(1 / 3)
+
+
+def test_cispo_clip_metric_counts_capped_tokens_of_either_advantage_sign():
+    # docs/losses.md: for cispo clip_ratio/high is r > eps_high whatever the sign of A (TRL
+    # counts A > 0 only); here the capped token has A < 0
+    logp = leaf([[math.log(0.5), math.log(6.0)], [math.log(1.0), math.log(1.0)]])
+    adv = torch.tensor([-1.0, 1.0], dtype=torch.float64)
+    _, metrics = policy_loss(logp, torch.zeros_like(logp), adv, torch.ones_like(logp), loss="cispo",
+                             epsilon_high=5.0)
+    assert metrics["clip_ratio/high"].item() == pytest.approx(1 / 4)
 
 
 def test_sapo_soft_gate_value_and_gradient():
@@ -231,6 +251,14 @@ def test_k3_kl_term_value_and_gradient():
     assert_close(loss, [[0.1 * (math.exp(x) - x - 1) for x in d]])
     assert_close(grad_of(loss, logp), [[0.1 * (1 - math.exp(x)) for x in d]])
     assert metrics["kl_ref"].item() == pytest.approx(sum(math.exp(x) - x - 1 for x in d) / 2)
+
+
+def test_kl_ref_metric_is_a_masked_mean():
+    logp = leaf([[-1.0, -2.0, -3.0]])
+    ref = torch.tensor([[-1.5, -1.0, 5.0]], dtype=torch.float64)  # the third token is padding
+    mask = torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float64)
+    _, metrics = policy_loss(logp, logp.detach(), torch.zeros(1, dtype=torch.float64), mask, ref=ref, beta=0.1)
+    assert metrics["kl_ref"].item() == pytest.approx(sum(math.exp(x) - x - 1 for x in (-0.5, 1.0)) / 2)
 
 
 def test_approx_kl_to_old_uses_k1_and_k3():
