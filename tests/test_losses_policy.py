@@ -88,21 +88,18 @@ def test_delta_equals_verl_dual_clip_in_value_and_gradient():
     assert_close(grad_of(ours, log_r), grad_of(verl, log_r))
 
 
-def test_delta_above_one_plus_epsilon_high_binds_only_negative_advantages():
+@pytest.mark.parametrize("delta, want", [
+    # above 1 + eps_high: the A=+1 row is unchanged (the clip at 1.28 binds first);
+    # A=-1: r=1.5 -> 1.4, r=3.0 -> 1.4
+    (1.4, [[-0.5, -1.1, -1.28, -1.28], [0.8, 1.1, 1.4, 1.4]]),
+    # below: the A=+1 row is capped at delta, and the A=-1 row still takes the clip bound 1.28
+    # (SPEC 3: "clipped is still computed from the unclamped r")
+    (1.2, [[-0.5, -1.1, -1.2, -1.2], [0.8, 1.1, 1.28, 1.28]]),
+])
+def test_delta_caps_the_unclipped_branch_only(delta, want):
     logp, old, adv, mask = setup([0.5, 1.1, 1.5, 3.0])
-    loss, metrics = policy_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=0.28, delta=1.4)
-    # A=+1 row unchanged (clip at 1.28 binds first); A=-1: r=1.5 -> 1.4, r=3.0 -> 1.4
-    assert_close(loss, [[-0.5, -1.1, -1.28, -1.28], [0.8, 1.1, 1.4, 1.4]])
-    assert_close(grad_of(loss, logp), [[-0.5, -1.1, 0.0, 0.0], [0.0, 1.1, 0.0, 0.0]])
-    assert metrics["delta_bound"].item() == pytest.approx(2 / 8)
-
-
-def test_delta_below_one_plus_epsilon_high_leaves_the_clipped_branch_unclamped():
-    # SPEC 3: "clipped is still computed from the unclamped r"; with delta = 1.2 < 1.28 the A=+1
-    # row is capped at delta, and the A=-1 row still takes the clip bound 1.28 (not 1.2)
-    logp, old, adv, mask = setup([0.5, 1.1, 1.5, 3.0])
-    loss, metrics = policy_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=0.28, delta=1.2)
-    assert_close(loss, [[-0.5, -1.1, -1.2, -1.2], [0.8, 1.1, 1.28, 1.28]])
+    loss, metrics = policy_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=0.28, delta=delta)
+    assert_close(loss, want)
     assert_close(grad_of(loss, logp), [[-0.5, -1.1, 0.0, 0.0], [0.0, 1.1, 0.0, 0.0]])
     assert metrics["delta_bound"].item() == pytest.approx(2 / 8)
 
