@@ -34,8 +34,8 @@ def load_jsonl(path: str, prompt_column: str = "prompt", answer_column: str | No
 
     `prompt_column` must hold a string or a list of `{"role", "content"}` messages and becomes
     `prompt`; `answer_column` (None or "" = the dataset has no answers) must hold a string or a
-    number and becomes `answer`, with a GSM8K-style final answer extracted (`final_answer`).
-    Other columns are kept as they are.
+    number (or null: a row without one, which `accuracy` scores None) and becomes `answer`, with
+    a GSM8K-style final answer extracted (`final_answer`). Other columns are kept as they are.
     """
     p = Path(path)
     if not p.is_file():
@@ -81,6 +81,8 @@ def _example(row: dict, where: str, prompt_column: str, answer_column: str | Non
         raise DataError(f"{where}: column {prompt_column!r} = {str(prompt)[:60]!r} has type "
                         f"{type(prompt).__name__}; expected a string or a list of "
                         f'{{"role": ..., "content": ...}} messages')
+    if isinstance(prompt, str) and not prompt.strip():
+        raise DataError(f"{where}: column {prompt_column!r} is an empty prompt; drop the row or fill it in")
     answer = None
     if answer_column:
         if answer_column not in row:
@@ -88,10 +90,11 @@ def _example(row: dict, where: str, prompt_column: str, answer_column: str | Non
                             f"data.answer_column to the column with the reference answer, or to "
                             f'"" if the dataset has none')
         raw = row[answer_column]
-        if isinstance(raw, bool) or not isinstance(raw, (str, int, float)):
+        if raw is not None and (isinstance(raw, bool) or not isinstance(raw, (str, int, float))):
             raise DataError(f"{where}: column {answer_column!r} = {str(raw)[:60]!r} has type "
-                            f"{type(raw).__name__}; expected a string or a number")
-        answer = final_answer(raw) if isinstance(raw, str) else str(raw)
+                            f"{type(raw).__name__}; expected a string, a number, or null for a row "
+                            f"without a reference answer")
+        answer = final_answer(raw) if isinstance(raw, str) else None if raw is None else str(raw)
     return {**row, "prompt": prompt, "answer": answer}
 
 

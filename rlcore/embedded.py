@@ -35,7 +35,12 @@ ARCH = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="
 
 
 def write_char_tokenizer(path: Path) -> None:
-    """tokenizer.json (one token per printable ASCII character) and tokenizer_config.json."""
+    """tokenizer.json (one token per printable ASCII character) and tokenizer_config.json.
+
+    In transformers 5, `AutoTokenizer` replaces the tokenizer of any qwen2 checkpoint with its own
+    Qwen2 BPE class, which drops this one's spaces ("a b" -> "ab"; the arithmetic prompts have
+    none). Load it there with `PreTrainedTokenizerFast.from_pretrained(path)`, as bench/ does.
+    """
     from tokenizers import Tokenizer, decoders, models
 
     vocab = {tok: i for i, tok in enumerate([EOS, PAD, *CHARS])}

@@ -1,10 +1,20 @@
-"""Built-in reward functions, shaped like TRL's: `fn(prompts, completions, **columns) -> list[float | None]`.
+"""Built-in reward functions, shaped like TRL's: `fn(prompts, completions, **kwargs) -> list[float | None]`.
 
-`completions[i]` is the decoded completion (a string, or a list of chat messages whose last
-`content` is used). Each dataset column arrives as a keyword argument holding one value per
-completion (a prompt's columns repeated for its G completions). A function returns one float
-per completion, or None where it cannot score that completion (for example, the row has no
-reference answer); SPEC section 2 says how None enters the advantages.
+The keywords are TRL's (`reward_inputs` builds them):
+- `prompts`: each completion's prompt as the dataset holds it (a string or a list of messages);
+- `completions`: the decoded completion, a string, or `[{"role": "assistant", "content": text}]`
+  when the prompt is a list of messages (TRL's conversational format);
+- `completion_ids`: its token ids (a list of ints per completion);
+- `trainer_state`: an object with `global_step` (optimizer steps done) and `max_steps`;
+- `log_metric(name, value)`: adds `name` to the step's metrics (the mean of the values logged
+  while scoring the round, on rank 0); `log_extra(column, values)` is accepted and ignored
+  (rlcore keeps no table of completions);
+- every dataset column, one value per completion (a prompt's columns repeated for its G
+  completions; None where a row lacks a column other rows have).
+A function with `**kwargs` receives all of them; one without gets those it names. It returns
+one float (or bool) per completion, or None where it cannot score that completion (for example,
+the row has no reference answer); SPEC section 2 says how None enters the advantages. Async
+functions are awaited.
 
 Your own reward function has the same shape; name it in the config as "module:function".
 """
@@ -14,14 +24,42 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable
 
 RewardFunc = Callable[..., list]
+NOT_COLUMNS = ("prompt", "prompt_ids")  # example keys that are not passed as columns
+
+
+@dataclass
+class RewardState:
+    """`trainer_state` for reward functions: the fields of TRL's TrainerState they read."""
+
+    global_step: int
+    max_steps: int
+
+
+def dataset_columns(examples: list[dict]) -> list[str]:
+    """The columns of a dataset: every key of any example (in order of first appearance)."""
+    return list(dict.fromkeys(k for ex in examples for k in ex if k not in NOT_COLUMNS))
+
+
+def reward_inputs(rows: list[dict], texts: list[str], columns: list[str]) -> tuple[list, list, dict[str, list]]:
+    """(prompts, completions, columns) for the reward functions, as TRL passes them.
+
+    A completion of a prompt given as chat messages becomes `[{"role": "assistant", "content":
+    text}]`. Every dataset column (`dataset_columns`) is passed, None where a row lacks it.
+    """
+    prompts = [ex["prompt"] for ex in rows]
+    completions = [[{"role": "assistant", "content": text}] if isinstance(ex["prompt"], list) else text
+                   for ex, text in zip(rows, texts)]
+    return prompts, completions, {k: [ex.get(k) for ex in rows] for k in columns}
 
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-# A number: optional sign (not a binary minus, as in "7-3"), thousands commas, decimals.
-NUMBER = re.compile(r"(?:(?<![\w.)])-)?\d+(?:,\d{3})*(?:\.\d+)?")
+# A number: optional sign (ASCII or Unicode minus, not a binary minus as in "7-3"), thousands
+# commas, decimals, or a bare fraction part (".5").
+NUMBER = re.compile(r"(?:(?<![\w.)])[-\u2212])?(?:\d+(?:,\d{3})*(?:\.\d+)?|(?<![\d,])\.\d+)")
 THINK_ANSWER = re.compile(r"\s*<think>(.*?)</think>\s*<answer>(.*?)</answer>\s*", re.DOTALL)
 MAX_EXPRESSION_CHARS = 100  # countdown answers are short; longer input is rejected before parsing
 
@@ -41,6 +79,15 @@ def extract_answer(text: str) -> str | None:
     1. `<answer>...</answer>` (R1 style)  2. `\\boxed{...}` (math)  3. `#### ...` (GSM8K)
     4. the last number in the text. None when there is none of these.
     """
+    marked = marked_answer(text)
+    if marked is not None:
+        return marked
+    numbers = NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def marked_answer(text: str) -> str | None:
+    """Forms 1-3 of `extract_answer` (an answer the text marks as such); None without one."""
     tags = ANSWER_TAG.findall(text)
     if tags:
         return tags[-1].strip()
@@ -50,8 +97,7 @@ def extract_answer(text: str) -> str | None:
     if "####" in text:
         rest = text.rsplit("####", 1)[1].strip()
         return rest.splitlines()[0].strip() if rest else None
-    numbers = NUMBER.findall(text)
-    return numbers[-1] if numbers else None
+    return None
 
 
 def _last_boxed(text: str) -> str | None:
@@ -68,39 +114,42 @@ def _last_boxed(text: str) -> str | None:
 
 
 def parse_number(s: str) -> Fraction | None:
-    """`"1,000"`, `"$42"`, `"-3.50"`, `"7."` as exact numbers; None when `s` is not a number."""
-    s = s.strip().replace(",", "").removeprefix("$").rstrip(".")
-    try:
-        return Fraction(s) if re.fullmatch(r"-?\d+(\.\d+)?", s) else None
-    except ValueError:
-        return None
+    """`"1,000"`, `"$42"`, `"-3.50"`, `".5"`, `"7."` as exact numbers; None when `s` is not a
+    number (commas count only as thousands separators: `"1,2,3"` is not 123)."""
+    s = s.strip().replace("\u2212", "-").removeprefix("$").rstrip(".")
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
+        s = s.replace(",", "")
+    return Fraction(s) if re.fullmatch(r"-?(\d+(\.\d+)?|\.\d+)", s) else None
 
 
-def answers_match(pred: str, gold) -> bool:
-    """Numeric gold: the last number in `pred` equals it exactly. Otherwise: equal up to whitespace."""
+def answers_match(completion: str, gold) -> bool:
+    """Whether a completion's final answer is the reference answer `gold`.
+
+    `gold` is unwrapped first when it marks its answer (`\\boxed{42}`, `#### 42`). A numeric
+    gold must equal the last number of the completion's `extract_answer` exactly (`"1,000"` =
+    `"1000.0"`); any other gold must equal the completion's marked answer (`marked_answer`),
+    or without one its whole text, up to whitespace (`"Paris"`, `"x = 5"`, `"1/2"`).
+    """
     gold = str(gold).strip()
+    gold = marked_answer(gold) or gold
     gold_number = parse_number(gold)
     if gold_number is not None:
-        numbers = NUMBER.findall(pred)
+        pred = extract_answer(completion)
+        numbers = NUMBER.findall(pred) if pred is not None else []
         return bool(numbers) and parse_number(numbers[-1]) == gold_number
-    return " ".join(pred.split()) == " ".join(gold.split())
+    pred = marked_answer(completion)
+    return " ".join((completion if pred is None else pred).split()) == " ".join(gold.split())
 
 
 def accuracy(prompts: list, completions: list, answer: list | None = None, **columns) -> list[float | None]:
-    """1.0 when the completion's final answer (`extract_answer`) matches the `answer` column, else 0.0.
+    """1.0 when the completion's final answer matches the `answer` column (`answers_match`), else 0.0.
 
     None for every row when there is no `answer` column, and for rows whose answer is None.
     """
     if answer is None:
         return [None] * len(completions)
-    scores = []
-    for completion, gold in zip(completions, answer):
-        if gold is None:
-            scores.append(None)
-            continue
-        pred = extract_answer(completion_text(completion))
-        scores.append(float(pred is not None and answers_match(pred, gold)))
-    return scores
+    return [None if gold is None else float(answers_match(completion_text(completion), gold))
+            for completion, gold in zip(completions, answer)]
 
 
 def format_reward(prompts: list, completions: list, **columns) -> list[float]:

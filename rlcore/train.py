@@ -23,6 +23,7 @@ import os
 import resource
 import shutil
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -36,7 +37,7 @@ from rlcore.losses.advantages import compute_advantages, score_completions
 from rlcore.losses.aggregate import aggregate_loss
 from rlcore.losses.metrics import rollout_mismatch
 from rlcore.losses.policy import mask_truncated, policy_loss, tis_weights
-from rlcore.rewards import get_reward_funcs
+from rlcore.rewards import RewardState, dataset_columns, get_reward_funcs, reward_inputs
 from rlcore.rollout import generate
 from rlcore.sft import SharedPrompts, completion_logprobs, pack
 from rlcore.tasks import TASK_REWARD, unique_problems
@@ -123,14 +124,13 @@ def next_prompts(examples: list[dict], pos: int, n: int, seed: int) -> list[dict
 def evaluate(model, tok: Tokenizer, examples: list[dict], accuracy_fn, max_new_tokens: int,
              batch_size: int = 128) -> float:
     """Held-out greedy accuracy: the fraction of prompts whose greedy answer scores 1."""
-    correct = 0.0
+    correct, columns = 0.0, dataset_columns(examples)
     for i in range(0, len(examples), batch_size):
         chunk = examples[i:i + batch_size]
         ro = generate(model, [ex["prompt_ids"] for ex in chunk], 1, max_new_tokens,
                       eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id, temperature=0.0)
-        texts = decode_completions(tok, ro)
-        columns = {k: [ex[k] for ex in chunk] for k in chunk[0] if k not in ("prompt", "prompt_ids")}
-        scores = accuracy_fn(prompts=[ex["prompt"] for ex in chunk], completions=texts, **columns)
+        prompts, completions, values = reward_inputs(chunk, decode_completions(tok, ro), columns)
+        scores = accuracy_fn(prompts=prompts, completions=completions, **values)
         correct += sum(1.0 for s in scores if s is not None and s >= 1.0)
     return correct / max(1, len(examples))
 
@@ -266,6 +266,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
         for ex, p in zip(split, ids):
             ex["prompt_ids"] = p
     reward_funcs = get_reward_funcs(lc.reward_funcs)
+    columns = dataset_columns(train_set)  # passed to every reward call, None where a row lacks one
     accuracy_fn = get_reward_funcs([TASK_REWARD[cfg.data.task]])[0]
 
     # Batch geometry (SPEC 1): one round = b*S*P completions = that / G prompts x G samples.
@@ -330,19 +331,26 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
 
         # 2. Rewards and advantages, over the whole round (all ranks) before it is cut up.
         t0 = time.time()
-        texts = decode_completions(tok, ro)
-        columns = {k: [ex[k] for ex in rows] for k in rows[0] if k not in ("prompt", "prompt_ids")}
-        R = score_completions(reward_funcs, [ex["prompt"] for ex in rows], texts, columns,
-                              on_error=lc.reward_on_error)
-        adv, reward_stats = compute_advantages(distributed.gather_rows(R.to(device), world), G, lc.reward_weights,
-                                              lc.scale_rewards, reward_names=lc.reward_funcs)
+        prompts, completions, values = reward_inputs(rows, decode_completions(tok, ro), columns)
+        completion_ids = [c[:n].tolist() for c, n in zip(ro.completion_ids, ro.lengths)]
+        logged = defaultdict(list)  # what reward functions report with log_metric
+        trl_kwargs = {"completion_ids": completion_ids,
+                      "trainer_state": RewardState(step, t.max_steps),
+                      "log_metric": lambda name, value: logged[name].append(float(value)),
+                      "log_extra": lambda column, values: None}
+        R = score_completions(reward_funcs, prompts, completions, values, lc.reward_on_error, trl_kwargs)
+        R = distributed.gather_rows(R.to(device), world)
+        if main and R.isnan().all():
+            print(f"warning: no reward function scored any completion of round {step // steps_per_round + 1} "
+                  f"(all returned None), so every advantage is 0 and its steps learn nothing; check "
+                  f"loss.reward_funcs and the columns they need (data.answer_column)", flush=True)
+        adv, reward_stats = compute_advantages(R, G, lc.reward_weights, lc.scale_rewards, reward_names=lc.reward_funcs)
         adv = adv[mine]
-        acc = accuracy_fn(prompts=[ex["prompt"] for ex in rows], completions=texts, **columns)
+        acc = accuracy_fn(prompts=prompts, completions=completions, **values)
         acc = distributed.gather_rows(torch.tensor([a or 0.0 for a in acc], device=device), world)
 
         # 3. Training tensors: prompt (left-padded) + completion (right-padded).
-        ids, attn, cids, mask, Lp = pack(ro.prompt_ids, [c[:n].tolist() for c, n in zip(ro.completion_ids, ro.lengths)],
-                                         tok.pad_token_id)
+        ids, attn, cids, mask, Lp = pack(ro.prompt_ids, completion_ids, tok.pad_token_id)
         ids, attn, cids, mask = ids.to(device), attn.to(device), cids.to(device), mask.to(device)
         n = b * S  # this rank's rows
         samp = ro.full_logprobs if ro.full_logprobs is not None else ro.sampling_logprobs
@@ -354,7 +362,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
         lengths = ro.lengths.to(device)
         every_length = distributed.gather_rows(lengths, world)  # the round's completions, all ranks
         every_truncated = distributed.gather_rows(truncated.float(), world)
-        round_stats = {**reward_stats, "reward/accuracy": acc.mean().item(),
+        round_stats = {**reward_stats, **{k: sum(v) / len(v) for k, v in logged.items()},
+                       "reward/accuracy": acc.mean().item(),
                        "completion/len_mean": every_length.float().mean().item(),
                        "completion/len_min": every_length.min().item(), "completion/len_max": every_length.max().item(),
                        "completion/truncated_frac": every_truncated.mean().item(),

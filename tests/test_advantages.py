@@ -193,3 +193,47 @@ def test_a_single_number_instead_of_a_list_names_the_function():
 
     with pytest.raises(TypeError, match="scalar returned float; it must return a list of 3"):
         score_completions([scalar], PROMPTS, COMPLETIONS, COLUMNS)
+
+
+def test_trls_keywords_reach_functions_that_take_them():
+    seen = {}
+
+    def trl_style(prompts, completions, completion_ids, trainer_state, log_metric, **kwargs):
+        seen.update(ids=completion_ids, state=trainer_state, columns=sorted(kwargs))
+        log_metric("m", 1.0)
+        return [1.0] * len(completions)
+
+    def names_what_it_needs(completions, answer):  # no **kwargs: gets only what it names
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    logged = []
+    extra = {"completion_ids": [[1], [2, 2], [3, 3, 3]], "trainer_state": "state",
+             "log_metric": lambda name, value: logged.append((name, value)), "log_extra": lambda *a: None}
+    scores = score_completions([trl_style, names_what_it_needs], PROMPTS, COMPLETIONS, COLUMNS, extra=extra)
+    torch.testing.assert_close(scores, torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]]))
+    assert seen == {"ids": [[1], [2, 2], [3, 3, 3]], "state": "state", "columns": ["answer", "log_extra"]}
+    assert logged == [("m", 1.0)]
+
+
+@pytest.mark.parametrize("on_error", ["raise", "none"])
+def test_a_parameter_nothing_provides_is_named_whatever_on_error_says(on_error):
+    def needs_difficulty(prompts, completions, difficulty):
+        return [1.0] * len(completions)
+
+    with pytest.raises(TypeError, match=r"needs_difficulty cannot be called .*'difficulty'.*keywords prompts, "
+                                        r"completions, answer"):
+        score_completions([needs_difficulty], PROMPTS, COMPLETIONS, COLUMNS, on_error=on_error)
+
+
+def test_async_functions_are_awaited():
+    async def judge(prompts, completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    torch.testing.assert_close(score_completions([judge], PROMPTS, COMPLETIONS, COLUMNS),
+                               torch.tensor([[1.0], [2.0], [3.0]]))
+
+
+@pytest.mark.parametrize("output", [[True, False, True], torch.tensor([1.0, 0.0, 1.0]), (1, 0, 1)])
+def test_bools_tensors_and_tuples_are_scores(output):
+    scores = score_completions([lambda prompts, completions, **kw: output], PROMPTS, COMPLETIONS, COLUMNS)
+    torch.testing.assert_close(scores, torch.tensor([[1.0], [0.0], [1.0]]))

@@ -133,9 +133,19 @@ def test_wrong_prompt_type_names_line_and_value(tmp_path):
         load_jsonl(write_jsonl(tmp_path, [{"prompt": 12, "answer": "1"}]))
 
 
+def test_a_null_answer_is_a_row_without_one(tmp_path):
+    rows = load_jsonl(write_jsonl(tmp_path, [{"prompt": "a", "answer": None}, {"prompt": "b", "answer": "#### 7"}]))
+    assert [r["answer"] for r in rows] == [None, "7"]
+
+
+def test_an_empty_prompt_names_the_line(tmp_path):
+    with pytest.raises(DataError, match=r"data\.jsonl:2: column 'prompt' is an empty prompt"):
+        load_jsonl(write_jsonl(tmp_path, [{"prompt": "a", "answer": "1"}, {"prompt": " ", "answer": "1"}]))
+
+
 def test_wrong_answer_type_names_line_and_value(tmp_path):
     with pytest.raises(DataError, match=r"data\.jsonl:1: column 'answer' = '\[1\]' has type list; "
-                                        r"expected a string or a number"):
+                                        r"expected a string, a number, or null"):
         load_jsonl(write_jsonl(tmp_path, [{"prompt": "a", "answer": [1]}]))
 
 

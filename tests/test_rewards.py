@@ -2,8 +2,8 @@
 
 import pytest
 
-from rlcore.rewards import (REWARDS, accuracy, check_countdown, countdown, evaluate_expression,
-                            extract_answer, format_reward, get_reward_funcs)
+from rlcore.rewards import (REWARDS, accuracy, check_countdown, countdown, dataset_columns, evaluate_expression,
+                            extract_answer, format_reward, get_reward_funcs, reward_inputs)
 
 
 @pytest.mark.parametrize("text, answer", [
@@ -34,6 +34,25 @@ def test_answer_tag_takes_precedence_over_last_number():
     ("", "12", 0.0),
     ("<answer>Paris</answer>", "paris", 0.0),
     ("<answer> Paris </answer>", "Paris", 1.0),
+    # commas count only as thousands separators
+    ("123", "1,2,3", 0.0),
+    ("1,2,3", "1,2,3", 1.0),
+    ("25", "2,5", 0.0),
+    ("1000", "1,000", 1.0),
+    # a gold answer that marks itself is unwrapped
+    ("\\boxed{42}", "\\boxed{42}", 1.0),
+    ("so 42", "\\boxed{42}", 1.0),
+    ("42", "The total is 42.\n#### 42", 1.0),
+    # non-numeric gold: the marked answer, else the whole completion, up to whitespace
+    ("1/2", "1/2", 1.0),
+    ("42%", "42%", 1.0),
+    ("x =  5", "x = 5", 1.0),
+    ("Paris", "Paris", 1.0),
+    ("It is Paris", "Paris", 0.0),
+    # other spellings of a number
+    (".5", "0.5", 1.0),
+    ("\u22123", "-3", 1.0),
+    ("so 5-3", "-3", 0.0),
 ])
 def test_accuracy_exact_match(completion, gold, score):
     assert accuracy(["p"], [completion], answer=[gold]) == [score]
@@ -49,6 +68,17 @@ def test_accuracy_is_none_for_row_without_answer():
 
 def test_accuracy_reads_conversational_completion():
     assert accuracy(["p"], [[{"role": "assistant", "content": "4"}]], answer=["4"]) == [1.0]
+
+
+def test_reward_inputs_are_trls_conversational_format_and_every_column():
+    rows = [{"prompt": [{"role": "user", "content": "q"}], "prompt_ids": [1], "answer": "4", "level": 2},
+            {"prompt": "plain", "prompt_ids": [2], "answer": "5"}]
+    columns = dataset_columns(rows)
+    assert columns == ["answer", "level"]
+    prompts, completions, values = reward_inputs(rows, ["four", "five"], columns)
+    assert prompts == [rows[0]["prompt"], "plain"]
+    assert completions == [[{"role": "assistant", "content": "four"}], "five"]
+    assert values == {"answer": ["4", "5"], "level": [2, None]}
 
 
 @pytest.mark.parametrize("completion, score", [

@@ -1,9 +1,11 @@
 """Synthetic tasks: deterministic from the seed, every stated answer verifies, held-out eval."""
 
+import random
+
 import pytest
 
 from rlcore.rewards import REWARDS
-from rlcore.tasks import TASK_REWARD, TASKS, make_task, train_eval_split, unique_problems
+from rlcore.tasks import TASK_REWARD, TASKS, arithmetic_problems, make_task, train_eval_split, unique_problems
 
 
 def score(task: str, examples: list[dict], completions: list[str]) -> list:
@@ -41,7 +43,10 @@ def test_arithmetic_example_columns():
 
 
 def test_arithmetic_answers_are_never_negative():
-    assert all(int(ex["answer"]) >= 0 for ex in unique_problems("arithmetic", 1000, seed=0))
+    problems = arithmetic_problems(random.Random(0), max_operand=9, ops="+-")
+    assert {ex["op"] for ex in problems} == {"+", "-"}  # subtraction is generated, so a >= b is exercised
+    assert sorted(int(ex["answer"]) for ex in problems if ex["op"] == "-") == sorted(
+        a - b for a in range(10) for b in range(a + 1))
 
 
 def test_countdown_example_columns():

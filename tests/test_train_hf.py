@@ -119,3 +119,56 @@ def test_stop_strings_are_encoded_without_the_bos_a_llama_tokenizer_adds(gsm8k_f
         "rollout.max_completion_length=6", 'rollout.stop=["</answer>"]', "train.per_device_train_batch_size=8",
         "train.max_steps=1", "train.device=cpu", f"train.output_dir={tmp_path / 'run'}"]))
     assert seen == [[tok.encode("</answer>", add_special_tokens=False)]]
+
+
+SEEN = {}
+
+
+def trl_style(prompts, completions, completion_ids, trainer_state, log_metric, difficulty, **kwargs):
+    """A reward written for TRL: conversational completions, its keywords, a column some rows lack."""
+    SEEN.setdefault("steps", []).append(trainer_state.global_step)
+    SEEN.update(prompt=prompts[0], completion=completions[0], ids=completion_ids[0])
+    SEEN.setdefault("difficulty", []).extend((int(p[1]["content"][4:-1]), d) for p, d in zip(prompts, difficulty))
+    log_metric("custom/mean_ids", sum(map(len, completion_ids)) / len(completion_ids))
+    return [float(len(c[0]["content"]) % 3) for c in completions]
+
+
+def unscorable(prompts, completions, **kwargs):
+    return [None] * len(completions)
+
+
+def test_a_trl_reward_function_runs_on_a_conversational_dataset(qwen_dir, tmp_path, capsys):
+    data = tmp_path / "conv.jsonl"
+    rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Say {i}."}],
+             "answer": str(i), **({"difficulty": i % 3} if i % 2 else {})} for i in range(12)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    cfg = load_config(None, [
+        f"model.path={qwen_dir}", "data.task=jsonl", f"data.path={data}", "data.num_eval=2",
+        "rollout.num_generations=4", "rollout.max_completion_length=5", "train.eval_max_completion_length=5",
+        f"loss.reward_funcs=['{__name__}:trl_style']", "train.per_device_train_batch_size=8", "train.max_steps=2",
+        "train.device=cpu", f"train.output_dir={run}"])
+    SEEN.clear()
+    train(cfg)
+
+    assert SEEN["steps"] == [0, 1]  # trainer_state.global_step at each round
+    assert isinstance(SEEN["prompt"], list) and SEEN["prompt"][0]["role"] == "system"
+    (message,) = SEEN["completion"]  # TRL's conversational completion
+    assert message["role"] == "assistant"
+    assert Tokenizer.from_dir(qwen_dir).decode(SEEN["ids"], skip_special_tokens=True) == message["content"]
+    # the column some rows lack reaches every row: its value, or None
+    assert all(d == (i % 3 if i % 2 else None) for i, d in SEEN["difficulty"]) and len(SEEN["difficulty"]) == 16
+    metrics = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(1 <= m["custom/mean_ids"] <= 5 for m in metrics)  # log_metric lands in metrics.jsonl
+    assert "no reward function scored" not in capsys.readouterr().out
+
+
+def test_a_round_nothing_scores_is_reported(qwen_dir, gsm8k_file, tmp_path, capsys):
+    cfg = load_config(None, [
+        f"model.path={qwen_dir}", "data.task=jsonl", f"data.path={gsm8k_file}", "data.prompt_column=question",
+        "data.num_eval=2", "rollout.num_generations=4", "rollout.max_completion_length=4",
+        "train.eval_max_completion_length=4", f"loss.reward_funcs=['{__name__}:unscorable']",
+        "train.per_device_train_batch_size=8", "train.max_steps=1", "train.device=cpu",
+        f"train.output_dir={tmp_path / 'run'}"])
+    train(cfg)
+    assert "warning: no reward function scored any completion of round 1" in capsys.readouterr().out

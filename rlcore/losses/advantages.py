@@ -5,6 +5,8 @@ statistics of G completions of the same prompt:  A_i = (r_i - mean_g(r)) / (std_
 Dr. GRPO (Liu et al. 2025, arXiv:2503.20783) drops the std: A_i = r_i - mean_g(r).
 """
 
+import asyncio
+import inspect
 import numbers
 from collections.abc import Callable, Sequence
 
@@ -20,12 +22,18 @@ def score_completions(
     completions: list,
     columns: dict[str, list],
     on_error: str = "raise",
+    extra: dict | None = None,
 ) -> Tensor:
     """Call each reward function TRL-style and stack the scores into R [N, F] (NaN = None).
 
-    Each function is called as fn(prompts=..., completions=..., **columns) and must return one
-    float or None per completion. A function that raises is re-run one sample at a time to name
-    the offending sample; with on_error="none" the failing samples score None instead.
+    Each function is called as fn(prompts=..., completions=..., **extra, **columns), where
+    `extra` holds what TRL passes besides the columns (completion_ids, trainer_state,
+    log_metric, log_extra); a function without **kwargs gets only the arguments it names. An
+    async function is awaited. It must return one number (bools count as 0/1) or None per
+    completion, as a list, tuple, numpy array or 1-D tensor. A function that raises is re-run
+    one sample at a time to name the offending sample; with on_error="none" the failing samples
+    score None instead. A function whose signature cannot take these arguments is an error
+    either way.
     """
     if on_error not in ("raise", "none"):
         raise ValueError(f"on_error must be 'raise' or 'none', got {on_error!r}")
@@ -33,14 +41,49 @@ def score_completions(
     scores = torch.full((n, len(reward_funcs)), torch.nan)
     for f, fn in enumerate(reward_funcs):
         name = getattr(fn, "__name__", type(fn).__name__)
+        kwargs = _arguments_for(fn, name, {"prompts": prompts, "completions": completions, **(extra or {}),
+                                           **columns})
+        per_row = [key for key in kwargs if key in columns or key in ("prompts", "completions", "completion_ids")]
         try:
-            values = fn(prompts=prompts, completions=completions, **columns)
+            values = _call(fn, kwargs)
         except Exception as err:
-            values = _score_one_by_one(fn, name, prompts, completions, columns, on_error, err)
+            values = _score_one_by_one(fn, name, kwargs, per_row, n, on_error, err)
         for i, value in enumerate(_check_scores(name, values, n)):
             if value is not None:
                 scores[i, f] = float(value)
     return scores
+
+
+def _arguments_for(fn: Callable, name: str, available: dict) -> dict:
+    """The keyword arguments of `available` that `fn` takes: all of them with **kwargs (as TRL
+    requires), else those it names. Raises TypeError, naming the parameter, when `fn` requires
+    one that is not available."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins and C callables have none: pass everything
+        return available
+    params = signature.parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        kwargs = available
+    else:
+        kwargs = {k: v for k, v in available.items() if k in signature.parameters}
+    try:
+        signature.bind(**kwargs)
+    except TypeError as err:
+        raise TypeError(f"reward function {name} cannot be called with the arguments rlcore passes ({err}); "
+                        f"it is called with keywords {', '.join(available)} (the last ones are the dataset's "
+                        f"columns), as TRL calls it: rename its parameters to these, or give them defaults") from None
+    return kwargs
+
+
+def _call(fn: Callable, kwargs: dict):
+    """fn(**kwargs), awaited when fn is async."""
+    values = fn(**kwargs)
+    if inspect.isawaitable(values):
+        async def wait():
+            return await values
+        values = asyncio.run(wait())
+    return values
 
 
 def _check_scores(name: str, values, n: int) -> list:
@@ -48,37 +91,43 @@ def _check_scores(name: str, values, n: int) -> list:
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
         raise TypeError(f"reward function {name} returned {type(values).__name__}; "
                         f"it must return a list of {n} floats or None")
-    values = list(values)  # a list, tuple or numpy array
+    if isinstance(values, Tensor) and values.dim() != 1:
+        raise TypeError(f"reward function {name} returned a tensor of shape {tuple(values.shape)}; "
+                        f"it must return one number per completion ({n})")
+    values = [v.item() if hasattr(v, "item") and getattr(v, "ndim", 1) == 0 else v
+              for v in values]  # a list, tuple, numpy array or tensor; numpy / torch scalars -> Python
     if len(values) != n:
         raise ValueError(f"reward function {name} returned {len(values)} scores for {n} "
                          "completions; it must return one float or None per completion")
     for i, value in enumerate(values):
-        if value is not None and (not isinstance(value, numbers.Real) or isinstance(value, bool)):
+        if value is not None and not isinstance(value, numbers.Real):
             raise TypeError(f"reward function {name} returned {value!r} ({type(value).__name__}) "
                             f"for sample {i}; expected a float or None")
     return values
 
 
-def _score_one_by_one(fn, name, prompts, completions, columns, on_error, batch_err) -> list:
-    """Re-run `fn` per sample after it raised on the batch: name the culprit, or score it None."""
+def _score_one_by_one(fn, name, kwargs, per_row, n, on_error, batch_err) -> list:
+    """Re-run `fn` per sample after it raised on the batch: name the culprit, or score it None.
+    `per_row`: the keys of `kwargs` that hold one value per completion (the rest are passed as is)."""
     values = []
-    for i in range(len(completions)):
-        one = {key: [column[i]] for key, column in columns.items()}
+    for i in range(n):
+        one = {**kwargs, **{key: [kwargs[key][i]] for key in per_row}}
         try:
-            value = fn(prompts=[prompts[i]], completions=[completions[i]], **one)
+            value = _call(fn, one)
         except Exception as err:
             if on_error == "none":
                 values.append(None)
                 continue
             raise RuntimeError(
                 f"reward function {name} raised {type(err).__name__}: {err} on sample {i}: "
-                f"prompt={_short(prompts[i])}, completion={_short(completions[i])}. Fix the "
+                f"prompt={_short(kwargs.get('prompts', ['?'] * n)[i])}, "
+                f"completion={_short(kwargs.get('completions', ['?'] * n)[i])}. Fix the "
                 "function, or score failures as None (on_error='none'; in a config: --set "
                 "loss.reward_on_error=none)") from err
         values += _check_scores(name, value, 1)
     if on_error == "raise":
         raise RuntimeError(f"reward function {name} raised {type(batch_err).__name__}: {batch_err} "
-                           f"on the batch of {len(completions)} but on no single sample") from batch_err
+                           f"on the batch of {n} but on no single sample") from batch_err
     return values
 
 
