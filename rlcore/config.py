@@ -43,8 +43,8 @@ class ConfigError(ValueError):
 class ModelArgs:
     path: str = ""
     """Hugging Face checkpoint dir (config.json, *.safetensors, tokenizer); "" or "embedded" = the embedded tiny model"""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """dtype the policy weights are stored and updated in"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype the policy (and reference) weights are stored and updated in; for mixed precision keep float32 and set train.bf16"""
     ref_path: str | None = None
     """checkpoint for the reference model (read only when loss.beta != 0); None = the initial policy"""
 
@@ -547,6 +547,11 @@ def validate(config: Config, world_size: int = 1) -> None:
     need(d.task != "countdown" or "countdown" in lo.reward_funcs,
          f"data.task = 'countdown' is scored by the 'countdown' reward, but loss.reward_funcs = "
          f"{lo.reward_funcs}; --set loss.reward_funcs='[\"countdown\"]'")
+    if config.model.dtype == "bfloat16":
+        warnings.warn("model.dtype = 'bfloat16': AdamW updates the bf16 weights themselves (no fp32 master copy), "
+                      "so an update below bf16's resolution (0.4% of the weight) is lost, as most are at "
+                      f"learning_rate {t.learning_rate:g}; for mixed precision keep model.dtype = 'float32' and set "
+                      "train.bf16 = true (TRL's bf16=True)", stacklevel=2)
     if lo.importance_sampling_level != "token" and lo.loss_type != "grpo":
         warnings.warn(f"loss.importance_sampling_level = {lo.importance_sampling_level!r} (GSPO) with loss.loss_type = "
                       f"{lo.loss_type!r}: the GSPO objective is loss_type = 'grpo' (per-sequence mean)",

@@ -347,3 +347,15 @@ def test_gspo_with_token_summing_loss_type_warns(level):
 
 def test_dumped_toml_is_valid_toml():
     tomllib.loads(dump_config(Config()))
+
+
+def test_float16_weights_are_not_a_choice():
+    # AdamW on fp16 weights without loss scaling turns them into NaN/inf at the first step
+    with pytest.raises(ConfigError, match=r"model\.dtype = 'float16' is not a valid choice; valid: 'float32', 'bfloat16'"):
+        load_config(None, ["model.dtype=float16"])
+
+
+def test_bf16_weights_warn_that_small_updates_are_lost():
+    with pytest.warns(UserWarning, match=r"model\.dtype = 'bfloat16': AdamW updates the bf16 weights.*"
+                                         r"learning_rate 1e-06.*train\.bf16 = true"):
+        validate(load_config(None, ["model.dtype=bfloat16", "train.learning_rate=1e-6"]))

@@ -321,3 +321,12 @@ def test_a_repeated_prompt_is_prefilled_once_and_gets_its_own_rows(monkeypatch):
     single = generate(model, [a, b], 2, 8, eos_token_ids=[1], pad_token_id=PAD, temperature=0.0)
     assert torch.equal(out.completion_ids[:4], single.completion_ids)
     assert torch.equal(out.completion_ids[4:], single.completion_ids[:2])
+
+
+def test_non_finite_logits_are_an_error_not_a_token():
+    """NaN weights give NaN logits, from which inverse-CDF sampling would return id V."""
+    model = rlcore_model(make_hf_model("qwen2"))
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")
+    with pytest.raises(FloatingPointError, match="logits are not finite"):
+        generate(model, random_prompts([4, 6], seed=0), 2, 3, eos_token_ids=[1], pad_token_id=PAD)

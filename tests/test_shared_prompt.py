@@ -163,3 +163,26 @@ def test_shared_prompts_none_without_repeats_or_over_the_cap_and_foreign_rows_ra
     shared = SharedPrompts.build(model, ids[[0, 2]], attn[[0, 2]], Lp)  # prompt 0 twice
     with pytest.raises(ValueError, match="not among the prompts"):
         shared.completion_hidden(ids[[1]], attn[[1]])
+
+
+@pytest.mark.parametrize("across", [False, True], ids=["within_micro_batch", "across_micro_batches"])
+def test_bf16_autocast_logprobs_are_within_bf16_rounding_of_transformers_fp32(across, hf_checkpoint):
+    """train.bf16's training forward: the body under bf16 autocast, the log-probs from fp32 hidden
+    states and weights. Not equal to fp32 (autocast ran) and close to it (log-probs stay fp32)."""
+    path, hf = hf_checkpoint("qwen2")
+    model = load_model(path)
+    prompts, completions = batch()
+    ids, attn, cids, cmask, Lp = pack(prompts, completions, pad_id=0)
+    with torch.no_grad():
+        if across:
+            shared = SharedPrompts.build(model, ids, attn, Lp, bf16_autocast=True)
+            logp = torch.zeros(cids.shape)
+            for r in MICRO:
+                logp[r] = completion_logprobs(model, ids[r], attn[r], Lp, cids[r], bf16_autocast=True, shared=shared)[0]
+        else:
+            logp, _ = completion_logprobs(model, ids, attn, Lp, cids, bf16_autocast=True)
+        ref = per_row_logprobs(lambda x: hf(input_ids=x).logits, prompts, completions)
+    assert logp.dtype == torch.float32
+    diff = ((logp.double() - ref) * cmask).abs().max().item()
+    print(f"\nbf16 autocast vs fp32: max |logp diff| = {diff:.2e}")
+    assert 1e-5 < diff < 5e-3

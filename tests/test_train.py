@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import rlcore.train
 from rlcore.checkpoint import load_model
 from rlcore.cli import DEFAULT_CONFIG, main
 from rlcore.config import load_config
@@ -265,8 +266,6 @@ def test_mismatch_metrics_compare_engine_and_trainer_logprobs(tmp_path, monkeypa
     # valid token, and the k3 estimate of KL(samp || old) is e^c - 1 - c (samples come from samp).
     import dataclasses
 
-    import rlcore.train
-
     c, real = 0.5, rlcore.train.generate
 
     def generate_shifted(*args, **kwargs):
@@ -281,12 +280,30 @@ def test_mismatch_metrics_compare_engine_and_trainer_logprobs(tmp_path, monkeypa
         assert r["mismatch/k3"] == pytest.approx(math.exp(c) - 1 - c, abs=1e-4)
 
 
-def test_bf16_on_cpu_trains_with_a_bf16_rollout(tmp_path):
+def test_bf16_on_cpu_trains_with_a_bf16_rollout(tmp_path, monkeypatch):
     # train.bf16: rollout in bf16, trainer forwards under bf16 autocast (log-probs in fp32). The
     # loop measures engine vs trainer log-probs (with mu = 2 from the old pass): in fp32 they
-    # agree to ~1e-6 (the test above), in bf16 they differ by bf16 rounding: both ran in bf16.
+    # agree to ~1e-6 (the test above), in bf16 they differ by bf16 rounding. Which half ran in
+    # bf16 is checked at the calls (each half's numbers are tested in test_rollout.py and
+    # test_shared_prompt.py).
+    calls = {"rollout": [], "forward": []}
+    real_generate, real_logprobs = rlcore.train.generate, rlcore.train.completion_logprobs
+
+    def generate(*args, **kwargs):
+        if kwargs["temperature"] > 0:  # the training rollouts (greedy eval runs in the model's dtype)
+            calls["rollout"].append(kwargs.get("dtype"))
+        return real_generate(*args, **kwargs)
+
+    def completion_logprobs(model, ids, attn, Lp, cids, temperature, amp, *rest):
+        calls["forward"].append(amp)
+        return real_logprobs(model, ids, attn, Lp, cids, temperature, amp, *rest)
+
+    monkeypatch.setattr(rlcore.train, "generate", generate)
+    monkeypatch.setattr(rlcore.train, "completion_logprobs", completion_logprobs)
     run = tmp_path / "run"
     train(config(run, "train.max_steps=2", "loss.num_iterations=2", "train.bf16=true"))
+    assert calls["rollout"] and set(calls["rollout"]) == {torch.bfloat16}
+    assert calls["forward"] and set(calls["forward"]) == {True}  # old pass and training forwards
     got = rows(run)
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and not r["skipped"] for r in got)
     assert all(1e-4 < r["mismatch/abs_mean"] < 0.1 for r in got), [r["mismatch/abs_mean"] for r in got]

@@ -143,6 +143,9 @@ def generate(
     which = torch.tensor([distinct[tuple(p)] for p in prompts for _ in range(G)], device=device)
     dtype = dtype or model.lm_head_weight.dtype
     prompt_cache, first_logits = prefill(model, [list(p) for p in distinct], dtype)
+    if not bool(torch.isfinite(first_logits).all()):  # one sync per rollout; NaN logits would sample id V
+        raise FloatingPointError("the model's logits are not finite (NaN or inf) after the prompts: its weights or "
+                                 "activations overflowed; check the weights for NaN/inf and lower the learning rate")
     T = prompt_cache.k.shape[3]
     cache = KVCache.empty(model.config, N, T + max_new_tokens - 1, prompt_cache.k.dtype, device)
     cache.k[:, :, :, :T] = prompt_cache.k[:, which]
