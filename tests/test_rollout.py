@@ -249,6 +249,16 @@ def test_max_new_tokens_marks_rows_truncated():
     assert out.lengths.tolist() == [9] * 4 and out.truncated.all() and out.completion_mask.all()
 
 
+def test_truncated_is_per_row_no_eos_within_max_new_tokens():
+    model = rlcore_model(make_hf_model("qwen2"))
+    prompts = random_prompts([3, 5, 7, 9, 4, 6, 8, 2], seed=5)
+    out = generate(model, prompts, 1, 12, eos_token_ids=list(range(1, 9)), pad_token_id=PAD, temperature=0.0)
+    ended = [any(t in range(1, 9) for t in row[:n]) for row, n in zip(out.completion_ids.tolist(), out.lengths.tolist())]
+    assert 0 < sum(ended) < len(ended)  # some rows stop at EOS, some run to the limit
+    assert out.truncated.tolist() == [not e for e in ended]
+    assert all(n == 12 for n, e in zip(out.lengths.tolist(), ended) if not e)
+
+
 def test_a_row_ending_with_eos_on_the_last_allowed_token_is_not_truncated():
     model = rlcore_model(make_hf_model("qwen2"))
     prompts = random_prompts([5])
@@ -304,8 +314,10 @@ def test_compacting_finished_rows_changes_no_result(monkeypatch):
     monkeypatch.setattr(engine.KVCache, "empty", lambda *a, **k: allocations.append(1) or empty(*a, **k))
     compacted = run()
     assert len(allocations) > 2  # prefill cache, decode cache, at least one compaction
-    monkeypatch.setattr(engine, "COMPACT_FRACTION", 10**9)
+    allocations.clear()
+    monkeypatch.setattr(engine, "COMPACT_FRACTION", 0)  # n_done * 0 >= rows never holds: no compaction
     plain = run()
+    assert len(allocations) == 2  # prefill cache and decode cache only
     assert torch.equal(compacted.completion_ids, plain.completion_ids)
     torch.testing.assert_close(compacted.sampling_logprobs, plain.sampling_logprobs, rtol=0, atol=1e-6)
 
@@ -330,3 +342,9 @@ def test_non_finite_logits_are_an_error_not_a_token():
         model.model.norm.weight[0] = float("nan")
     with pytest.raises(FloatingPointError, match="logits are not finite"):
         generate(model, random_prompts([4, 6], seed=0), 2, 3, eos_token_ids=[1], pad_token_id=PAD)
+
+
+def test_a_dtype_wider_than_the_model_is_an_error_naming_both():
+    model = rlcore_model(make_hf_model("qwen2")).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"dtype torch\.float32 is wider than the model's torch\.bfloat16"):
+        generate(model, [[3, 4]], 2, 2, eos_token_ids=[1], pad_token_id=PAD, dtype=torch.float32)

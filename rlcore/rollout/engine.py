@@ -142,6 +142,9 @@ def generate(
         distinct.setdefault(tuple(p), len(distinct))
     which = torch.tensor([distinct[tuple(p)] for p in prompts for _ in range(G)], device=device)
     dtype = dtype or model.lm_head_weight.dtype
+    if dtype.itemsize > model.lm_head_weight.dtype.itemsize:
+        raise ValueError(f"dtype {dtype} is wider than the model's {model.lm_head_weight.dtype}: autocast only "
+                         f"narrows; load the model in {dtype} instead")
     prompt_cache, first_logits = prefill(model, [list(p) for p in distinct], dtype)
     if not bool(torch.isfinite(first_logits).all()):  # one sync per rollout; NaN logits would sample id V
         raise FloatingPointError("the model's logits are not finite (NaN or inf) after the prompts: its weights or "
