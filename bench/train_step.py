@@ -125,8 +125,14 @@ def after_warmup(times: list[float]) -> float:
 
 # ----------------------------------------------------------------------------- TRL
 
-def run_trl(d: Path, steps: int, grad_ckpt: bool, bf16: bool) -> dict:
+def run_trl(d: Path, steps: int, grad_ckpt: bool, bf16: bool, glibc_malloc: bool = False) -> dict:
     import torch
+
+    if not glibc_malloc:  # the allocator setting rlcore's train() makes, so both sides get it
+        sys.path.insert(0, str(ROOT))
+        from rlcore.train import reuse_freed_memory
+
+        reuse_freed_memory()
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -235,7 +241,8 @@ def run_rlcore(d: Path, steps: int, bf16: bool) -> dict:
 
 # ----------------------------------------------------------------------------- driver
 
-def side(name: str, d: Path, steps: int, grad_ckpt: bool, threads: int, bf16: bool) -> dict:
+def side(name: str, d: Path, steps: int, grad_ckpt: bool, threads: int, bf16: bool,
+         glibc_malloc: bool = False) -> dict:
     """Run one side in a fresh interpreter; its result is the last stdout line (JSON)."""
     cmd = [sys.executable, __file__, "--worker", name, "--dir", str(d), "--steps", str(steps),
            "--threads", str(threads)]
@@ -243,6 +250,8 @@ def side(name: str, d: Path, steps: int, grad_ckpt: bool, threads: int, bf16: bo
         cmd.append("--trl-grad-ckpt")
     if bf16:
         cmd.append("--bf16")
+    if glibc_malloc:
+        cmd.append("--trl-glibc-malloc")
     load = os.getloadavg()[0]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
@@ -265,6 +274,8 @@ def main() -> None:
                     help="TRL with its default gradient_checkpointing=True (off here: rlcore does not checkpoint)")
     ap.add_argument("--bf16", action="store_true",
                     help="both sides in bf16 mixed precision (TRL bf16=True, rlcore train.bf16=true)")
+    ap.add_argument("--trl-glibc-malloc", action="store_true",
+                    help="TRL with glibc's malloc defaults (by default it gets rlcore's reuse_freed_memory setting)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads per side (0 = torch's default)")
     ap.add_argument("--worker", choices=("trl", "rlcore"), help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
@@ -276,7 +287,8 @@ def main() -> None:
         if a.threads:
             torch.set_num_threads(a.threads)
         d = Path(a.dir)
-        res = run_trl(d, a.steps, a.trl_grad_ckpt, a.bf16) if a.worker == "trl" else run_rlcore(d, a.steps, a.bf16)
+        res = (run_trl(d, a.steps, a.trl_grad_ckpt, a.bf16, a.trl_glibc_malloc) if a.worker == "trl"
+               else run_rlcore(d, a.steps, a.bf16))
         print(json.dumps(res))
         return
 
@@ -290,9 +302,10 @@ def main() -> None:
         d = Path(tmp)
         build_checkpoint(d)
         if a.side in ("both", "trl"):
-            r = res["trl"] = side("trl", d, a.trl_steps, a.trl_grad_ckpt, a.threads, a.bf16)
+            r = res["trl"] = side("trl", d, a.trl_steps, a.trl_grad_ckpt, a.threads, a.bf16, a.trl_glibc_malloc)
             print(f"trl: {r['sec_per_step']:.2f} s/step (steps: {steps_text(r['per_step'])}), "
-                  f"gradient_checkpointing={r['gradient_checkpointing']}, train_runtime {r['train_runtime']:.1f} s, "
+                  f"gradient_checkpointing={r['gradient_checkpointing']}, "
+                  f"malloc {'glibc defaults' if a.trl_glibc_malloc else 'as rlcore'}, train_runtime {r['train_runtime']:.1f} s, "
                   f"mean completion length {r['completion_len_mean']:.1f}, "
                   f"load average {r['load'][0]:.1f} -> {r['load'][1]:.1f}", flush=True)
             print("trl phases (s/step): " + ", ".join(f"{p} {v:.2f}" for p, v in r["phases"].items()), flush=True)

@@ -309,11 +309,14 @@ def test_compacting_finished_rows_changes_no_result(monkeypatch):
     def run():
         return generate(model, prompts, 1, 40, eos_token_ids=eos, pad_token_id=PAD, temperature=0.0)
 
-    allocations = []
-    empty = KVCache.empty
+    allocations, repacked = [], []
+    empty, repack = KVCache.empty, PackedDecoder.repack
     monkeypatch.setattr(engine.KVCache, "empty", lambda *a, **k: allocations.append(1) or empty(*a, **k))
+    monkeypatch.setattr(PackedDecoder, "repack", lambda self, b: repacked.append(b) or repack(self, b))
     compacted = run()
     assert len(allocations) > 2  # prefill cache, decode cache, at least one compaction
+    # the CPU decoder is laid out again for each smaller batch
+    assert repacked[0] == 8 and len(repacked) == len(allocations) - 1 and repacked == sorted(repacked, reverse=True)
     allocations.clear()
     monkeypatch.setattr(engine, "COMPACT_FRACTION", 0)  # n_done * 0 >= rows never holds: no compaction
     plain = run()

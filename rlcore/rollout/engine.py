@@ -208,6 +208,8 @@ def generate(
                 del k, v
                 rows, done, positions, valid = rows[keep], done[keep], positions[keep], valid[keep]
                 tok = tok[keep]
+                if packed is not None:
+                    packed.repack(len(keep))
         S = T + t + 1  # slots 0..T+t are filled once this token is written at slot T+t
         view = KVCache(cache.k[:, :, :, :S], cache.v[:, :, :, :S])
         if packed is not None:

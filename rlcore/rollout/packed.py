@@ -14,8 +14,10 @@ pays those costs once per rollout instead of once per step:
 The arithmetic is the model's (same ops in the same order, matmuls re-blocked), so logits agree
 with `decode_one_token` to fp32 rounding. The packed copies cost extra memory: about 3x the
 weights for the benchmark model (hidden 512, MKL's packed format pads small matrices), about
-1.4x for large ones. With B rows packed, a step on fewer rows (the engine drops finished rows)
-falls back inside MKL to an ordinary matmul on the unpacked weights.
+1.4x for large ones. MKL's layout is for one row count: on fewer rows it falls back to an
+ordinary matmul on the unpacked weights, slower than packing for that count (benchmark model,
+131 slots: 34-37 / 33-35 / 27-32 ms per step at 56 / 48 / 32 rows packed for 64, against 28 /
+25-26 / 19-20 ms packed for each), so the engine calls `repack` after it drops finished rows.
 
 Measured on this project's 2-core CPU (benchmark model, 64 rows, 131 cached slots): 43-48 ms
 per step against 54-60 ms through the `nn.Module` forward (see bench/rollout.py).
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from rlcore.model import KVCache, Transformer, apply_rope, rms_norm, rope_cos_sin
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
+LINEARS = ("qkv", "o", "gate_up", "down")  # a layer's matrices; the rest of its entries are norm weights
 
 
 def mkl_packing_available() -> bool:
@@ -88,21 +91,21 @@ class PackedDecoder:
         def cast(w: torch.Tensor | None) -> torch.Tensor | None:
             return None if w is None else w.detach().to(dtype)
 
-        def linear(weights, biases) -> Linear:
+        def linear(weights, biases) -> tuple[torch.Tensor, torch.Tensor | None]:  # laid out by `repack`
             bias = None if biases[0] is None else torch.cat([cast(b) for b in biases])
             weight = cast(weights[0]) if len(weights) == 1 else torch.cat([cast(w) for w in weights])
-            return pack_linear(weight, bias, batch)
+            return weight, bias
 
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.intermediate, self.eps, self.qk_norm = cfg.intermediate_size, cfg.rms_norm_eps, cfg.qk_norm
         self.inv_freq = model.inv_freq
         self.embed = cast(model.model.embed_tokens.weight)
         self.final_norm = cast(model.model.norm.weight)
-        self.head = linear([model.lm_head_weight], [None])
-        self.layers = []
+        self.head_weight = linear([model.lm_head_weight], [None])
+        self.layer_weights = []
         for block in model.model.layers:
             a, mlp = block.self_attn, block.mlp
-            self.layers.append(dict(
+            self.layer_weights.append(dict(
                 norm1=cast(block.input_layernorm.weight),
                 qkv=linear([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
                            [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]),
@@ -113,6 +116,19 @@ class PackedDecoder:
                 gate_up=linear([mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias]),
                 down=linear([mlp.down_proj.weight], [mlp.down_proj.bias]),
             ))
+        self.mkl = dtype == torch.float32 and mkl_packing_available()  # else the layout ignores B
+        self.batch = None
+        self.repack(batch)
+
+    def repack(self, batch: int) -> None:
+        """Lay the matrices out for steps on `batch` rows (the engine calls it after dropping
+        finished rows). Only MKL's packed layout depends on the row count."""
+        if batch == self.batch or (self.batch is not None and not self.mkl):
+            return
+        self.batch = batch
+        self.head = pack_linear(*self.head_weight, batch)
+        self.layers = [{k: pack_linear(*v, batch) if k in LINEARS else v for k, v in w.items()}
+                       for w in self.layer_weights]
 
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
