@@ -2,7 +2,7 @@
 
     flock /tmp/rlcore-bench.lock python bench/train_step.py [--trl-steps 2] [--rlcore-steps 3]
                                                             [--side both|trl|rlcore] [--trl-grad-ckpt]
-                                                            [--bf16]
+                                                            [--trl-glibc-malloc] [--bf16]
 
 Setup (issue 5, same model shape as bench/rollout.py), written into a temp dir by this script:
   model       random Qwen2ForCausalLM, hidden 512, 8 layers, 8 heads / 2 KV heads, intermediate 1408,
@@ -19,7 +19,8 @@ Setup (issue 5, same model shape as bench/rollout.py), written into a temp dir b
 A random model samples EOS with probability ~1/32000 per token, so nearly every completion runs to
 128 tokens on both sides; the mean completion length of each side is printed to show it.
 
-Each side runs in its own subprocess (same threads, nothing shared but the checkpoint dir). The
+Each side runs in its own subprocess (same threads and allocator setting, nothing shared but the
+checkpoint dir). The
 first optimizer step of each side is warm-up and is dropped; the reported time is the mean wall
 clock of the remaining steps. TRL: between consecutive `on_step_end` callbacks, split into
 generation / scoring (TRL's `_generate_single_turn` and `_generate_and_score_completions`, timed
@@ -28,11 +29,18 @@ metrics.jsonl (written at the end of each step), split by the step's own time/ro
 time/scoring, time/old_logp and time/update. TRL steps take minutes on 2 cores, hence 2 TRL steps
 (one timed) by default.
 
-TRL runs with GRPOConfig defaults except as set in `run_trl`, and two deliberate changes:
-bf16=False (GRPOConfig defaults it to True; the model is fp32 and rlcore computes in fp32, so
-both sides run fp32) and gradient_checkpointing=False. GRPOConfig defaults it to True, which recomputes every forward in
-backward; rlcore does not checkpoint, so off is the like-for-like comparison. --trl-grad-ckpt
-measures TRL's default instead (on an idle 2-core machine: 57.8 s/step instead of 53.5).
+TRL runs with GRPOConfig defaults except as set in `run_trl`, and three deliberate changes, each
+to compare like with like:
+- bf16=False (GRPOConfig defaults it to True; the model is fp32 and rlcore computes in fp32, so
+  both sides run fp32);
+- gradient_checkpointing=False (GRPOConfig defaults it to True, which recomputes every forward
+  in backward; rlcore does not checkpoint). --trl-grad-ckpt measures TRL's default instead (in
+  one early pair of runs, 57.8 s/step against 53.5);
+- the TRL worker makes the allocator setting rlcore's train() makes for its own process
+  (`rlcore.train.reuse_freed_memory`: glibc keeps freed memory instead of unmapping it, so
+  large tensors do not come back as fresh zero-filled pages). It speeds TRL's update more than
+  rlcore's (back to back: 22.1 s against 36.9 s with glibc's defaults). --trl-glibc-malloc runs
+  TRL as it runs out of the box instead.
 --bf16 runs both sides in mixed precision instead: TRL with bf16=True (its default: bf16
 autocast over the fp32 model) and rlcore with train.bf16=true (bf16 autocast for the training
 forwards, log-probs still from fp32 hidden states and weights, and a bf16 rollout). That pays
@@ -42,7 +50,7 @@ at 630-1100 GFLOP/s against ~210 in fp32.
 The load average before and after each side is printed. Other work on the machine slows both
 sides, decoding most (many small multi-threaded ops, each waiting at an OpenMP barrier for a
 descheduled thread): with the load at 3 on 2 cores, step times swung 74-175 s. Time on a quiet
-machine, or pass --threads 1, which is slower but steady under load (1.8x there vs 2.1x idle).
+machine, or pass --threads 1, which is slower but steady under load.
 The last line is `train_step_speedup_vs_trl=<TRL seconds per step / rlcore seconds per step>`.
 """
 
@@ -305,7 +313,8 @@ def main() -> None:
             r = res["trl"] = side("trl", d, a.trl_steps, a.trl_grad_ckpt, a.threads, a.bf16, a.trl_glibc_malloc)
             print(f"trl: {r['sec_per_step']:.2f} s/step (steps: {steps_text(r['per_step'])}), "
                   f"gradient_checkpointing={r['gradient_checkpointing']}, "
-                  f"malloc {'glibc defaults' if a.trl_glibc_malloc else 'as rlcore'}, train_runtime {r['train_runtime']:.1f} s, "
+                  f"malloc {'glibc defaults' if a.trl_glibc_malloc else 'as rlcore'}, "
+                  f"train_runtime {r['train_runtime']:.1f} s, "
                   f"mean completion length {r['completion_len_mean']:.1f}, "
                   f"load average {r['load'][0]:.1f} -> {r['load'][1]:.1f}", flush=True)
             print("trl phases (s/step): " + ", ".join(f"{p} {v:.2f}" for p, v in r["phases"].items()), flush=True)
