@@ -8,6 +8,7 @@ copy of the weights. Saving writes the same layout transformers writes, so
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -54,6 +55,16 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
         raise CheckpointError(str(e)) from None
 
 
+@contextlib.contextmanager
+def open_weights(file: Path, device: torch.device | str = "cpu"):
+    """`safe_open(file)`, with a file safetensors cannot read reported as a CheckpointError."""
+    try:
+        with safe_open(file, framework="pt", device=str(device)) as f:
+            yield f
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file}: unreadable safetensors file ({e}); is it truncated?") from None
+
+
 def weight_files(path: Path) -> dict[str, Path]:
     """Map each tensor name to the safetensors file that holds it."""
     index = path / INDEX_FILE
@@ -70,11 +81,8 @@ def weight_files(path: Path) -> dict[str, Path]:
     if not single.is_file():
         raise CheckpointError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors weights "
                               "are supported; convert .bin checkpoints with transformers first)")
-    try:
-        with safe_open(single, framework="pt") as f:
-            return {name: single for name in f.keys()}
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{single}: unreadable safetensors file ({e}); is it truncated?") from None
+    with open_weights(single) as f:
+        return {name: single for name in f.keys()}
 
 
 def listed(names: list[str]) -> str:
@@ -96,12 +104,8 @@ def tied_copy_differs(files: dict[str, Path], stored: dict[str, str]) -> bool:
         return False
     tensors = []
     for name in ("lm_head.weight", "model.embed_tokens.weight"):
-        file = files[stored[name]]
-        try:
-            with safe_open(file, framework="pt") as f:
-                tensors.append(f.get_tensor(stored[name]))
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{file}: unreadable safetensors file ({e}); is it truncated?") from None
+        with open_weights(files[stored[name]]) as f:
+            tensors.append(f.get_tensor(stored[name]))
     return tensors[0].shape != tensors[1].shape or not torch.equal(*tensors)
 
 
@@ -141,19 +145,16 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str = torch.float32
     wanted = {stored[name]: name for name in expected}  # name in the file -> name in the model
     state = {}
     for file in sorted(set(files.values())):
-        try:
-            with safe_open(file, framework="pt", device=str(device)) as f:
-                for key in f.keys():
-                    name = wanted.get(key)
-                    if name is None or files.get(key) != file:
-                        continue
-                    t = f.get_tensor(key)
-                    if t.shape != expected[name]:
-                        raise CheckpointError(f"{file}: tensor {name} has shape {tuple(t.shape)}, "
-                                              f"config.json implies {tuple(expected[name])}")
-                    state[name] = t.to(dtype)
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{file}: unreadable safetensors file ({e}); is it truncated?") from None
+        with open_weights(file, device) as f:
+            for key in f.keys():
+                name = wanted.get(key)
+                if name is None or files.get(key) != file:
+                    continue
+                t = f.get_tensor(key)
+                if t.shape != expected[name]:
+                    raise CheckpointError(f"{file}: tensor {name} has shape {tuple(t.shape)}, "
+                                          f"config.json implies {tuple(expected[name])}")
+                state[name] = t.to(dtype)
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = rope_inv_freq(cfg).to(device)  # non-persistent buffer: rebuild off meta
     return model

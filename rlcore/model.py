@@ -110,6 +110,10 @@ class ModelConfig:
         )
 
 
+def positive_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
 def read_rope(d: dict, source: str = "config.json") -> tuple[float, dict | None]:
     """(rope_theta, scaling dict or None) from a parsed `config.json`, as transformers reads it.
 
@@ -138,7 +142,7 @@ def read_rope(d: dict, source: str = "config.json") -> tuple[float, dict | None]
                 f"reads rope_scaling and rope_theta = {theta}); keep only one of the two keys")
     else:
         theta, scaling = (params or {}).get("rope_theta", outside), settings(params or {})
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+    if not positive_number(theta):
         raise ValueError(f"{source}: rope_theta = {theta!r} must be a positive number")
     kind = scaling["rope_type"]
     if kind not in SUPPORTED_ROPE_TYPES:
@@ -151,10 +155,9 @@ def read_rope(d: dict, source: str = "config.json") -> tuple[float, dict | None]
         scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 2048))
         required += ("original_max_position_embeddings",)
     for key in required:
-        value = scaling.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        if not positive_number(scaling.get(key)):
             raise ValueError(f"{source}: {kind} rope scaling needs a positive number {key}, got "
-                             f"{value!r} in {scaling}")
+                             f"{scaling.get(key)!r} in {scaling}")
     return float(theta), scaling
 
 
