@@ -165,6 +165,8 @@ class TrainArgs:
     """seed for the batch order, dropout-free init of new weights, and (by default) sampling"""
     bf16: bool = False
     """bfloat16 autocast for the training forward passes and a bf16 rollout (GPU; on CPU it pays only with AMX)"""
+    gradient_checkpointing: bool = False
+    """recompute each layer's activations in backward instead of keeping them (TRL's default is True)"""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """where to run; auto = cuda when available"""
     output_dir: str = "runs/rlcore"

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -277,8 +278,9 @@ class Attention(nn.Module):
             cache.v[layer].scatter_(2, idx, v.to(cache.v.dtype))
             k, v = cache.k[layer], cache.v[layer]
         if prefix is not None and prefix_rows is None:  # a prefix pass: keep this layer's k, v
-            prefix.k.append(k)
-            prefix.v.append(v)
+            if len(prefix.k) == layer:  # (not again when gradient checkpointing reruns the layer)
+                prefix.k.append(k)
+                prefix.v.append(v)
         elif prefix is not None:  # a continuation: the prefix's keys/values come first
             k = torch.cat((prefix.k[layer].index_select(0, prefix_rows), k), dim=2)
             v = torch.cat((prefix.v[layer].index_select(0, prefix_rows), v), dim=2)
@@ -337,6 +339,10 @@ class Transformer(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.gradient_checkpointing = False
+        """Keep only each layer's input for backward and run the layer again there (TRL's and
+        transformers' gradient_checkpointing): activation memory of one layer instead of all,
+        for a third more forward compute. Only where autograd records, never with a KV cache."""
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -378,8 +384,12 @@ class Transformer(nn.Module):
             raise ValueError("attending over a prefix needs an explicit attention mask over prefix + tokens")
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        recompute = self.gradient_checkpointing and cache is None and torch.is_grad_enabled()
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, mask, cache, i, slots, prefix, prefix_rows)
+            if recompute:
+                x = checkpoint(layer, x, cos, sin, mask, cache, i, slots, prefix, prefix_rows, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, mask, cache, i, slots, prefix, prefix_rows)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

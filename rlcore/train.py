@@ -258,6 +258,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
     tok = Tokenizer.from_dir(model_dir)
     ck = latest_checkpoint(Path(resume)) if resume else None
     model = load_model(ck / "model" if ck else model_dir, cfg.model.dtype, device)
+    model.gradient_checkpointing = t.gradient_checkpointing
     check_vocab_fits(tok, model.config.vocab_size, model_dir)
     ref = load_model(cfg.model.ref_path or model_dir, cfg.model.dtype, device).eval() if lc.beta else None
     for split in (train_set, eval_set):

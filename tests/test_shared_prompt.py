@@ -186,3 +186,59 @@ def test_bf16_autocast_logprobs_are_within_bf16_rounding_of_transformers_fp32(ac
     diff = ((logp.double() - ref) * cmask).abs().max().item()
     print(f"\nbf16 autocast vs fp32: max |logp diff| = {diff:.2e}")
     assert 1e-5 < diff < 5e-3
+
+
+# ----------------------------------------------------------------------------- gradient checkpointing
+
+@pytest.mark.parametrize("path", ["distinct_prompts", "within_micro_batch", "across_micro_batches"])
+def test_gradient_checkpointing_keeps_the_gradients_of_per_row_passes_fp64(path, hf_checkpoint):
+    """train.gradient_checkpointing on each of the training forward's three paths: the plain pass,
+    a prompt shared within a micro-batch, and SharedPrompts over two micro-batches (whose prompt
+    pass is recomputed only at shared.backward()). Oracle: per-row passes without it."""
+    model = load_model(hf_checkpoint("qwen3")[0]).double()
+    prompts, completions = batch(seed=1)
+    if path == "distinct_prompts":
+        prompts, completions = prompts[:2] + prompts[3:4], completions[:3]
+    ids, attn, cids, cmask, Lp = pack(prompts, completions, pad_id=0)
+    weights = torch.randn(cids.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * cmask
+    model.gradient_checkpointing = True
+    if path == "across_micro_batches":
+        shared = SharedPrompts.build(model, ids, attn, Lp)
+        for r in MICRO:
+            (completion_logprobs(model, ids[r], attn[r], Lp, cids[r], shared=shared)[0] * weights[r]).sum().backward()
+        shared.backward()
+    else:
+        (completion_logprobs(model, ids, attn, Lp, cids)[0] * weights).sum().backward()
+    model.gradient_checkpointing = False
+    per_row = torch.autograd.grad((per_row_logprobs(lambda x: model.logits(model(x)), prompts, completions)
+                                   * weights).sum(), list(model.parameters()))
+    for (name, p), b in zip(model.named_parameters(), per_row):
+        assert (p.grad - b).abs().max() <= 1e-6 * b.abs().max() + 1e-12, name
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_gradient_checkpointing_frees_layer_activations_and_runs_layers_again(on, hf_checkpoint, monkeypatch):
+    """With it, a layer's inner activations (here the MLP's up projection, which the product
+    with silu(gate) needs in backward) are gone after forward, and backward runs every layer
+    a second time; without it they stay alive until backward and each layer runs once."""
+    import weakref
+
+    from rlcore.model import Block
+
+    model = load_model(hf_checkpoint("qwen2")[0])
+    model.gradient_checkpointing = on
+    calls, forward = [], Block.forward
+    monkeypatch.setattr(Block, "forward", lambda self, *a: calls.append(self) or forward(self, *a))
+    kept = []
+    model.model.layers[0].mlp.up_proj.register_forward_hook(lambda m, i, out: kept.append(weakref.ref(out)))
+    prompts, completions = batch()
+    ids, attn, cids, cmask, Lp = pack(prompts[:2] + prompts[3:4], completions[:3], pad_id=0)
+    logp, _ = completion_logprobs(model, ids, attn, Lp, cids)
+    assert (kept[0]() is None) == on
+    assert len(calls) == len(model.model.layers)
+    logp.sum().backward()
+    assert len(calls) == len(model.model.layers) * (2 if on else 1)
+    with torch.no_grad():  # no autograd, nothing to recompute: no checkpointing
+        calls.clear()
+        completion_logprobs(model, ids, attn, Lp, cids)
+        assert len(calls) == len(model.model.layers)

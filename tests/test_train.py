@@ -252,6 +252,31 @@ def test_max_grad_norm_zero_means_no_clipping(tmp_path, embedded_dir):
     assert not any(torch.equal(a[k], before[k]) for k in a)
 
 
+def test_gradient_checkpointing_trains_to_the_same_weights(tmp_path, monkeypatch):
+    # The model's recomputation is checked against per-row passes in test_shared_prompt.py; here
+    # the loop turns it on (layers run twice: forward, and again in backward) and, on CPU in fp32
+    # where the rerun gives the same numbers, ends at the same weights and metrics as without it.
+    from rlcore.model import Block
+
+    calls, forward = {"n": 0}, Block.forward
+
+    def counting(self, *args):
+        calls["n"] += torch.is_grad_enabled()
+        return forward(self, *args)
+
+    monkeypatch.setattr(Block, "forward", counting)
+    counts = {}
+    for name, on in (("plain", "false"), ("recompute", "true")):
+        calls["n"] = 0
+        train(config(tmp_path / name, "train.max_steps=2", f"train.gradient_checkpointing={on}"))
+        counts[name] = calls["n"]
+    assert counts["recompute"] > counts["plain"] > 0
+    a, b = weights(tmp_path / "plain" / "checkpoint-2" / "model"), weights(tmp_path / "recompute" / "checkpoint-2" / "model")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(TIMING)}
+    assert [strip(r) for r in rows(tmp_path / "plain")] == [strip(r) for r in rows(tmp_path / "recompute")]
+
+
 def test_logged_lr_is_the_rate_the_step_used(tmp_path):
     # rlcore's warmup: step s (0-based) runs at lr * (s + 1) / (warmup + 1).
     run = tmp_path / "run"
