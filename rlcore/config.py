@@ -145,12 +145,12 @@ class TrainArgs:
     """optimizer steps to train for"""
     learning_rate: float = 1e-6
     """peak AdamW learning rate"""
-    lr_scheduler_type: Literal["constant", "constant_with_warmup", "cosine"] = "constant"
-    """constant (no warmup), constant_with_warmup, or cosine decay to 0 after a linear warmup"""
+    lr_scheduler_type: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "constant"
+    """constant (no warmup), constant_with_warmup, or linear / cosine decay to 0 after a linear warmup"""
     warmup_ratio: float = 0.0
-    """linear warmup over this fraction of max_steps"""
+    """linear warmup over ceil(this fraction of max_steps) steps"""
     warmup_steps: int = 0
-    """linear warmup over this many optimizer steps (instead of warmup_ratio)"""
+    """linear warmup over this many optimizer steps: step s < W runs at lr (s+1)/(W+1) (transformers: s/W)"""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay"""
     adam_beta1: float = 0.9

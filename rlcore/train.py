@@ -79,8 +79,9 @@ def reuse_freed_memory() -> bool:
 
 
 def lr_lambda(cfg: Config, total_steps: int):
-    """Linear warmup ((step+1)/(warmup+1): no step is wasted at rate 0), then constant or
-    cosine decay to zero."""
+    """Linear warmup ((step+1)/(warmup+1): no step is wasted at rate 0, where transformers'
+    step/warmup spends step 0 at rate 0), then constant, or linear or cosine decay to zero
+    (after the warmup, transformers' formulas)."""
     t = cfg.train
     warmup = t.warmup_steps or math.ceil(t.warmup_ratio * total_steps)
 
@@ -90,6 +91,8 @@ def lr_lambda(cfg: Config, total_steps: int):
         if t.lr_scheduler_type in ("constant", "constant_with_warmup"):
             return 1.0
         progress = (step - warmup) / max(1, total_steps - warmup)
+        if t.lr_scheduler_type == "linear":
+            return max(0.0, 1.0 - progress)
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return f

@@ -2,6 +2,7 @@
 name the key, the value and the fix."""
 
 import dataclasses
+import math
 import sys
 import warnings
 from pathlib import Path
@@ -293,6 +294,29 @@ def test_countdown_task_needs_countdown_reward():
 def test_constant_schedule_with_warmup_is_an_error():
     with pytest.raises(ConfigError, match=r"lr_scheduler_type = 'constant' has no warmup.*constant_with_warmup"):
         load_config(None, ["train.warmup_steps=10"])
+
+
+@pytest.mark.parametrize("kind", ["constant_with_warmup", "linear", "cosine"])
+@pytest.mark.parametrize("warmup", ["train.warmup_steps=0", "train.warmup_steps=3", "train.warmup_ratio=0.15"])
+def test_schedules_are_transformers_after_the_warmup_and_start_above_zero(kind, warmup):
+    """After the warmup the rate factor is transformers' get_scheduler(kind) (what a TRL config
+    with that lr_scheduler_type runs); during it, step s of W runs at (s+1)/(W+1), where
+    transformers' s/W spends step 0 at rate 0."""
+    import torch
+    from transformers import get_scheduler
+
+    from rlcore.train import lr_lambda
+
+    total = 20
+    cfg = load_config(None, [f"train.lr_scheduler_type={kind}", warmup, f"train.max_steps={total}"])
+    W = cfg.train.warmup_steps or math.ceil(cfg.train.warmup_ratio * total)
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    hf = get_scheduler(kind, opt, num_warmup_steps=W, num_training_steps=total).lr_lambdas[0]
+    ours = lr_lambda(cfg, total)
+    for s in range(total):
+        want = (s + 1) / (W + 1) if s < W else hf(s)
+        assert ours(s) == pytest.approx(want, rel=1e-12, abs=1e-15), s
+    assert ours(0) > 0 and ours(W) == 1.0 and (kind == "constant_with_warmup" or ours(total - 1) < 0.1)
 
 
 def test_all_problems_are_reported_together():
