@@ -1,7 +1,7 @@
 """Seconds per GRPO optimizer step, rlcore vs TRL's GRPOTrainer, on the same CPU and checkpoint.
 
     flock /tmp/rlcore-bench.lock python bench/train_step.py [--trl-steps 2] [--rlcore-steps 3]
-                                                            [--side both|trl|rlcore] [--trl-grad-ckpt]
+                                                            [--side both|trl|rlcore] [--grad-ckpt]
                                                             [--trl-glibc-malloc] [--bf16]
 
 Setup (issue 5, same model shape as bench/rollout.py), written into a temp dir by this script:
@@ -33,9 +33,9 @@ TRL runs with GRPOConfig defaults except as set in `run_trl`, and three delibera
 to compare like with like:
 - bf16=False (GRPOConfig defaults it to True; the model is fp32 and rlcore computes in fp32, so
   both sides run fp32);
-- gradient_checkpointing=False (GRPOConfig defaults it to True, which recomputes every forward
-  in backward; rlcore does not checkpoint). --trl-grad-ckpt measures TRL's default instead (in
-  one early pair of runs, 57.8 s/step against 53.5);
+- gradient_checkpointing=False (GRPOConfig defaults it to True, which recomputes every layer's
+  forward in backward; rlcore's train.gradient_checkpointing defaults to False). --grad-ckpt
+  turns it on for both sides;
 - the TRL worker makes the allocator setting rlcore's train() makes for its own process
   (`rlcore.train.reuse_freed_memory`: glibc keeps freed memory instead of unmapping it, so
   large tensors do not come back as fresh zero-filled pages). It speeds TRL's update more than
@@ -200,7 +200,7 @@ def run_trl(d: Path, steps: int, grad_ckpt: bool, bf16: bool, glibc_malloc: bool
 
 # ----------------------------------------------------------------------------- rlcore
 
-def run_rlcore(d: Path, steps: int, bf16: bool) -> dict:
+def run_rlcore(d: Path, steps: int, grad_ckpt: bool, bf16: bool) -> dict:
     import torch
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "bench"))  # so the reward resolves as train_step:bench_reward
@@ -215,7 +215,7 @@ def run_rlcore(d: Path, steps: int, bf16: bool) -> dict:
         f"train.per_device_train_batch_size={BATCH}", f"train.gradient_accumulation_steps={GA}",
         f"train.max_steps={steps}", f"train.output_dir={out}", "train.learning_rate=1e-6", "train.device=cpu",
         "train.seed=0", "loss.beta=0.0", "loss.reward_funcs=[\"train_step:bench_reward\"]",
-        f"train.bf16={str(bf16).lower()}",
+        f"train.bf16={str(bf16).lower()}", f"train.gradient_checkpointing={str(grad_ckpt).lower()}",
     ])
     metrics = out / "metrics.jsonl"
     marks, done = [], threading.Event()
@@ -255,7 +255,7 @@ def side(name: str, d: Path, steps: int, grad_ckpt: bool, threads: int, bf16: bo
     cmd = [sys.executable, __file__, "--worker", name, "--dir", str(d), "--steps", str(steps),
            "--threads", str(threads)]
     if grad_ckpt:
-        cmd.append("--trl-grad-ckpt")
+        cmd.append("--grad-ckpt")
     if bf16:
         cmd.append("--bf16")
     if glibc_malloc:
@@ -278,8 +278,8 @@ def main() -> None:
     ap.add_argument("--trl-steps", type=int, default=2, help="TRL optimizer steps; the first is warm-up")
     ap.add_argument("--rlcore-steps", type=int, default=3, help="rlcore optimizer steps; the first is warm-up")
     ap.add_argument("--side", choices=("both", "trl", "rlcore"), default="both")
-    ap.add_argument("--trl-grad-ckpt", action="store_true",
-                    help="TRL with its default gradient_checkpointing=True (off here: rlcore does not checkpoint)")
+    ap.add_argument("--grad-ckpt", action="store_true",
+                    help="both sides with gradient checkpointing (TRL's default; rlcore train.gradient_checkpointing=true)")
     ap.add_argument("--bf16", action="store_true",
                     help="both sides in bf16 mixed precision (TRL bf16=True, rlcore train.bf16=true)")
     ap.add_argument("--trl-glibc-malloc", action="store_true",
@@ -295,8 +295,8 @@ def main() -> None:
         if a.threads:
             torch.set_num_threads(a.threads)
         d = Path(a.dir)
-        res = (run_trl(d, a.steps, a.trl_grad_ckpt, a.bf16, a.trl_glibc_malloc) if a.worker == "trl"
-               else run_rlcore(d, a.steps, a.bf16))
+        res = (run_trl(d, a.steps, a.grad_ckpt, a.bf16, a.trl_glibc_malloc) if a.worker == "trl"
+               else run_rlcore(d, a.steps, a.grad_ckpt, a.bf16))
         print(json.dumps(res))
         return
 
@@ -310,7 +310,7 @@ def main() -> None:
         d = Path(tmp)
         build_checkpoint(d)
         if a.side in ("both", "trl"):
-            r = res["trl"] = side("trl", d, a.trl_steps, a.trl_grad_ckpt, a.threads, a.bf16, a.trl_glibc_malloc)
+            r = res["trl"] = side("trl", d, a.trl_steps, a.grad_ckpt, a.threads, a.bf16, a.trl_glibc_malloc)
             print(f"trl: {r['sec_per_step']:.2f} s/step (steps: {steps_text(r['per_step'])}), "
                   f"gradient_checkpointing={r['gradient_checkpointing']}, "
                   f"malloc {'glibc defaults' if a.trl_glibc_malloc else 'as rlcore'}, "
@@ -319,7 +319,7 @@ def main() -> None:
                   f"load average {r['load'][0]:.1f} -> {r['load'][1]:.1f}", flush=True)
             print("trl phases (s/step): " + ", ".join(f"{p} {v:.2f}" for p, v in r["phases"].items()), flush=True)
         if a.side in ("both", "rlcore"):
-            r = res["rlcore"] = side("rlcore", d, a.rlcore_steps, False, a.threads, a.bf16)
+            r = res["rlcore"] = side("rlcore", d, a.rlcore_steps, a.grad_ckpt, a.threads, a.bf16)
             print(f"rlcore: {r['sec_per_step']:.2f} s/step wall clock (steps: {steps_text(r['per_step'])}; "
                   f"the first includes model load), mean completion length {r['completion_len_mean']:.1f}, "
                   f"load average {r['load'][0]:.1f} -> {r['load'][1]:.1f}", flush=True)
