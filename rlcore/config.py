@@ -27,6 +27,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rlcore import trl_options
 from rlcore.rewards import REWARDS
 
 if sys.version_info >= (3, 11):
@@ -103,6 +104,8 @@ class LossArgs:
     """per-token policy loss: PPO clipped ratio, CISPO (clipped IS weight), SAPO (soft gate)"""
     beta: float = 0.0
     """KL coefficient against the reference model (k3 estimator); 0.0 loads no reference model"""
+    use_bias_correction_kl: bool = False
+    """multiply the KL term by the importance ratio, as TRL does by default (false: k3 alone, SPEC 4)"""
     epsilon: float = 0.2
     """lower clip range: ratios below 1 - epsilon are clipped"""
     epsilon_high: float | None = None
@@ -177,6 +180,8 @@ class TrainArgs:
     """evaluate on the held-out set every this many optimizer steps (0 = only at the end)"""
     save_steps: int = 0
     """save a checkpoint every this many optimizer steps (0 = only at the end)"""
+    save_total_limit: int | None = 2
+    """checkpoints kept in output_dir, the newest ones (None = all; TRL's default)"""
     max_nonfinite_steps: int = 3
     """stop after this many consecutive steps with a non-finite loss or gradient (they are skipped)"""
     eval_max_completion_length: int | None = None
@@ -187,7 +192,8 @@ SECTIONS: dict[str, type] = {"model": ModelArgs, "data": DataArgs, "rollout": Ro
                              "loss": LossArgs, "train": TrainArgs}
 
 # Top-level keys that are not a field name of exactly one section: TRL names and the shared seed.
-FLAT_ALIASES = {"seed": ("train", "seed"), "model_name_or_path": ("model", "path")}
+FLAT_ALIASES = {"seed": ("train", "seed"), "model_name_or_path": ("model", "path"),
+                "activation_checkpointing": ("train", "gradient_checkpointing")}  # transformers 5's name
 
 
 @dataclass
@@ -230,8 +236,19 @@ class Config:
             hints = typing.get_type_hints(section_cls)
             kwargs = {}
             for key, value in values.items():
+                if name == "train" and key == "warmup_steps" and isinstance(value, float) and 0 < value < 1:
+                    key = "warmup_ratio"  # transformers 5 writes a warmup ratio as a fraction in warmup_steps
                 if key not in hints:
-                    raise ConfigError(f"unknown config key {name}.{key}{_suggest(f'{name}.{key}')}")
+                    trl = trl_options.explain(key, value)
+                    if trl is None:
+                        raise ConfigError(f"unknown config key {name}.{key}{_suggest(f'{name}.{key}')}")
+                    harmless, text = trl
+                    if not harmless:
+                        raise ConfigError(text)
+                    warnings.warn(text, stacklevel=3)
+                    continue
+                if name == "loss" and key == "loss_type" and value in trl_options.LOSS_TYPES:
+                    raise ConfigError(f"loss.loss_type = {value!r} is TRL's name for {trl_options.LOSS_TYPES[value]}")
                 kwargs[key] = _check_type(f"{name}.{key}", value, hints[key])
             sections[name] = section_cls(**kwargs)
         return cls(**sections)
@@ -340,7 +357,7 @@ def normalize(d: dict) -> dict:
                 raise ConfigError(f"config section {key} = {value!r} must be a table; write "
                                   f"[{key}] and its keys under it, or {key}.<key> = value")
             out.setdefault(key, {}).update(value)
-        elif isinstance(value, dict):
+        elif isinstance(value, dict) and trl_options.explain(key, value) is None:
             raise _unknown_section(key)
         else:
             flat[key] = value
@@ -357,6 +374,8 @@ def _flat_target(key: str) -> tuple[str, str]:
     """The (section, field) a top-level TRL-style key belongs to."""
     if key in FLAT_ALIASES:
         return FLAT_ALIASES[key]
+    if key in trl_options.TRL_ONLY or key.startswith("vllm_"):
+        return "train", key  # TRL's, without an rlcore field: Config.from_dict explains it there
     owners = [name for name, cls in SECTIONS.items() if key in _field_names(cls)]
     if len(owners) == 1:
         return owners[0], key
@@ -559,7 +578,10 @@ def validate(config: Config, world_size: int = 1) -> None:
                       f"{lo.loss_type!r}: the GSPO objective is loss_type = 'grpo' (per-sequence mean)",
                       stacklevel=2)
 
-    need(t.max_steps >= 1, f"train.max_steps = {t.max_steps} must be >= 1")
+    need(t.save_total_limit is None or t.save_total_limit >= 1,
+         f"train.save_total_limit = {t.save_total_limit} must be >= 1, or none to keep every checkpoint")
+    need(t.max_steps >= 1, f"train.max_steps = {t.max_steps} must be >= 1 (rlcore counts optimizer steps; "
+         "TRL's -1, train for num_train_epochs, has no equivalent)")
     need(t.learning_rate >= 0, f"train.learning_rate = {t.learning_rate} must be >= 0")
     need(0 <= t.warmup_ratio < 1, f"train.warmup_ratio = {t.warmup_ratio} must be in [0, 1)")
     need(t.warmup_steps >= 0, f"train.warmup_steps = {t.warmup_steps} must be >= 0")

@@ -78,6 +78,15 @@ def reuse_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
+def adamw(model: torch.nn.Module, t) -> torch.optim.AdamW:
+    """AdamW with decoupled weight decay on the weight matrices (and embeddings) only: biases and
+    norm weights, the 1-D parameters, are not decayed, as in transformers' Trainer (and so TRL)."""
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon)
+
+
 def lr_lambda(cfg: Config, total_steps: int):
     """Linear warmup ((step+1)/(warmup+1): no step is wasted at rate 0, where transformers'
     step/warmup spends step 0 at rate 0), then constant, or linear or cosine decay to zero
@@ -151,11 +160,12 @@ def decode_completions(tok: Tokenizer, ro) -> list[str]:
             for ids, n in zip(ro.completion_ids, ro.lengths.tolist())]
 
 
-def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep: int = 2) -> Path:
+def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep: int | None = 2) -> Path:
     """run/checkpoint-<step>/: HF weights + tokenizer + trainer_state.pt, then `latest` points to it.
 
     The directory is written under a temporary name and renamed, and `latest` is replaced
     atomically, so a crash at any point leaves the previous checkpoint intact and findable.
+    Then all but the newest `keep` checkpoints are deleted (None: none are).
     """
     final = run / f"checkpoint-{step}"
     tmp = run / f".checkpoint-{step}.tmp"
@@ -173,7 +183,7 @@ def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep
         os.fsync(f.fileno())
     os.replace(run / "latest.tmp", run / "latest")
     old = sorted((p for p in run.glob("checkpoint-*") if p != final), key=lambda p: int(p.name.split("-")[1]))
-    for p in old[:-keep + 1] if keep > 1 else old:
+    for p in old[:len(old) - keep + 1] if keep is not None else []:
         shutil.rmtree(p, ignore_errors=True)
     return final
 
@@ -282,8 +292,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
     off_policy = mu > 1 or S > GA
     amp = t.bf16  # bf16 autocast for the training forward passes, and a bf16 rollout
 
-    opt = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
-                            eps=t.adam_epsilon, weight_decay=t.weight_decay)
+    opt = adamw(model, t)
     schedule = lr_lambda(cfg, t.max_steps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     sampler = torch.Generator(device=device).manual_seed(rc.seed + rank)  # rollout sampling
@@ -418,6 +427,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                     loss=lc.policy_loss, importance_sampling_level=lc.importance_sampling_level,
                     epsilon=lc.epsilon, epsilon_high=lc.epsilon_high, delta=lc.delta,
                     ref=None if ref_lp is None else ref_lp[r], beta=lc.beta,
+                    use_bias_correction_kl=lc.use_bias_correction_kl,
                     tis_weights=None if tis is None else tis[r], entropy=entropy,
                     top_entropy_quantile=lc.top_entropy_quantile)
                 loss = aggregate_loss(l, mask[r], lc.loss_type, gradient_accumulation_steps=GA,
@@ -487,7 +497,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                          "shuffler_rng": shuffler.get_state(), "torch_rng": torch.get_rng_state(), "step": step,
                          "data_pos": data_pos, "nonfinite_total": bad_total, "nonfinite_in_row": bad_in_row,
                          "before": before}
-                save_checkpoint(run, step, model, Path(model_dir), state)
+                save_checkpoint(run, step, model, Path(model_dir), state, t.save_total_limit)
 
     if main and step % steps_per_round:
         print(f"note: max_steps={t.max_steps} ended the run inside a round of {steps_per_round} optimizer "

@@ -127,6 +127,83 @@ def test_trl_flat_keys_go_to_their_section(tmp_path):
     assert c.train.seed == 3
 
 
+TRL_CONFIG = """
+# a TRL GRPOConfig written for TRL, as it is
+output_dir = "OUT"
+learning_rate = 1e-6
+lr_scheduler_type = "linear"
+warmup_steps = 0.1
+weight_decay = 0.1
+bf16 = true
+gradient_checkpointing = true
+gradient_checkpointing_kwargs = {use_reentrant = false}
+optim = "adamw_torch_fused"
+save_total_limit = 3
+report_to = "none"
+logging_steps = 1
+use_vllm = false
+vllm_mode = "colocate"
+vllm_gpu_memory_utilization = 0.3
+disable_dropout = true
+log_completions = false
+num_generations = 4
+beta = 0.0
+loss_type = "dapo"
+"""
+
+
+def test_a_trl_config_loads_and_says_what_it_ignores(tmp_path):
+    with pytest.warns(UserWarning) as caught:
+        c = load_config(write(tmp_path, TRL_CONFIG.replace("OUT", str(tmp_path / "out"))), [])
+    t = c.train
+    assert (t.lr_scheduler_type, t.warmup_ratio, t.warmup_steps) == ("linear", 0.1, 0)  # transformers 5's ratio form
+    assert (t.weight_decay, t.bf16, t.gradient_checkpointing, t.save_total_limit) == (0.1, True, True, 3)
+    assert c.rollout.num_generations == 4
+    said = " | ".join(str(w.message) for w in caught)
+    for key in ("gradient_checkpointing_kwargs", "optim", "report_to", "use_vllm", "vllm_mode",
+                "vllm_gpu_memory_utilization", "disable_dropout", "log_completions"):
+        assert f"TRL's {key} = " in said and "is ignored" in said, key
+
+
+@pytest.mark.parametrize("line, fix", [
+    ("use_vllm = true", r"use_vllm = True is not an rlcore option: rlcore generates with its own engine"),
+    ("num_train_epochs = 3", r"num_train_epochs = 3 .*set train\.max_steps"),
+    ("generation_batch_size = 64", r"train\.steps_per_generation = generation_batch_size /"),
+    ("vllm_importance_sampling_correction = true", r"loss\.tis_mode .*loss\.tis_max"),
+    ("fp16 = true", r"set train\.bf16 = true"),
+    ("repetition_penalty = 1.1", r"repetition_penalty = 1\.1 .*leave it out or set it to 1\.0"),
+    ("generation_kwargs = {max_tokens = 3}", r"generation_kwargs = .*rollout\.temperature"),
+    ("[train]\nuse_cpu = true", r"set train\.device = 'cpu'"),
+    ("loss_type = 'cispo'", r"loss_type = 'cispo' is TRL's name for loss\.policy_loss = 'cispo' with loss\.loss_type = 'dapo'"),
+    ("loss_type = 'sapo'", r"loss\.policy_loss = 'sapo' with loss\.loss_type = 'grpo'"),
+    ("max_steps = -1", r"max_steps = -1 must be >= 1 \(rlcore counts optimizer steps"),
+])
+def test_a_trl_option_rlcore_cannot_honour_is_an_error_naming_what_to_set(line, fix, tmp_path):
+    with pytest.raises(ConfigError, match=fix):
+        load_config(write(tmp_path, line + "\n"), [])
+
+
+def test_trl_options_work_from_the_command_line_too():
+    with pytest.warns(UserWarning, match="TRL's report_to = 'wandb' is ignored"):
+        assert load_config(None, ["report_to=wandb", "activation_checkpointing=true"]).train.gradient_checkpointing
+    with pytest.raises(ConfigError, match="use_vllm = True is not an rlcore option"):
+        load_config(None, ["train.use_vllm=true"])
+
+
+def test_the_trl_table_names_only_trl_options_rlcore_lacks():
+    """Every name in it is a field of TRL's GRPOConfig (a typo there would never match), and none
+    is an rlcore field (it would never be consulted)."""
+    trl = pytest.importorskip("trl")
+    from rlcore.trl_options import LOSS_TYPES, TRL_ONLY
+
+    theirs = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    ours = {f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
+    assert set(TRL_ONLY) <= theirs, set(TRL_ONLY) - theirs
+    assert not set(TRL_ONLY) & ours
+    loss_types = {f.name: f for f in dataclasses.fields(trl.GRPOConfig)}["loss_type"].metadata["help"]
+    assert all(f"'{name}'" in loss_types for name in LOSS_TYPES)
+
+
 def test_scale_rewards_bool_is_normalised():
     assert load_config(None, ["loss.scale_rewards=true"]).loss.scale_rewards == "group"
     assert load_config(None, ["loss.scale_rewards=false"]).loss.scale_rewards == "none"

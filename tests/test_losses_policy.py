@@ -250,6 +250,22 @@ def test_k3_kl_term_value_and_gradient():
     assert metrics["kl_ref"].item() == pytest.approx(sum(math.exp(x) - x - 1 for x in d) / 2)
 
 
+@pytest.mark.parametrize("shift", [0.0, 0.3], ids=["on_policy", "off_policy"])
+def test_bias_corrected_kl_term_is_k3_times_the_ratio_value_and_gradient(shift):
+    """TRL's use_bias_correction_kl: l = beta * k3 * r with r = exp(logp - old). Closed forms:
+    d(k3)/d logp = 1 - e^d (d = ref - logp) and dr/d logp = r, so the gradient is
+    beta * r * (1 - e^d + k3). On-policy r = 1: the value is plain k3's, the gradient is not."""
+    logp = leaf([[-1.0, -2.0]])
+    old = logp.detach() - shift
+    ref = torch.tensor([[-1.5, -1.0]], dtype=torch.float64)
+    adv = torch.zeros(1, dtype=torch.float64)
+    loss, _ = policy_loss(logp, old, adv, torch.ones_like(logp), ref=ref, beta=0.1, use_bias_correction_kl=True)
+    d, r = [-0.5, 1.0], math.exp(shift)
+    k3 = [math.exp(x) - x - 1 for x in d]
+    assert_close(loss, [[0.1 * k * r for k in k3]])
+    assert_close(grad_of(loss, logp), [[0.1 * r * (1 - math.exp(x) + k) for x, k in zip(d, k3)]])
+
+
 def test_kl_ref_metric_is_a_masked_mean():
     logp = leaf([[-1.0, -2.0, -3.0]])
     ref = torch.tensor([[-1.5, -1.0, 5.0]], dtype=torch.float64)  # the third token is padding

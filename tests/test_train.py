@@ -242,6 +242,24 @@ def test_every_policy_loss_runs_and_logs(loss, tmp_path, capsys):
     assert "step    1/2" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("correction", [False, True])
+def test_beta_trains_against_the_initial_policy_and_logs_kl_ref(correction, tmp_path, monkeypatch):
+    # The reference is the initial policy: the first step's KL to it is zero (up to the batch
+    # shapes' float rounding), after one update it is not. use_bias_correction_kl reaches the loss.
+    seen, real = [], rlcore.train.policy_loss
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["use_bias_correction_kl"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rlcore.train, "policy_loss", spy)
+    run = tmp_path / "run"
+    train(config(run, "train.max_steps=2", "loss.beta=0.04", f"loss.use_bias_correction_kl={str(correction).lower()}"))
+    got = rows(run)
+    assert abs(got[0]["kl_ref"]) < 1e-7 and got[1]["kl_ref"] > 1e-5, [r["kl_ref"] for r in got]
+    assert seen and set(seen) == {correction}
+
+
 def test_max_grad_norm_zero_means_no_clipping(tmp_path, embedded_dir):
     # 0.0 is documented as "no clipping"; clip_grad_norm_(.., 0.0) would zero every gradient.
     for name, value in (("zero", "0.0"), ("huge", "1e9")):
@@ -275,6 +293,14 @@ def test_gradient_checkpointing_trains_to_the_same_weights(tmp_path, monkeypatch
     assert all(torch.equal(a[k], b[k]) for k in a)
     strip = lambda r: {k: v for k, v in r.items() if not k.startswith(TIMING)}
     assert [strip(r) for r in rows(tmp_path / "plain")] == [strip(r) for r in rows(tmp_path / "recompute")]
+
+
+@pytest.mark.parametrize("limit, kept", [("1", [3]), ("2", [2, 3]), ("none", [1, 2, 3])])
+def test_save_total_limit_keeps_the_newest_checkpoints(limit, kept, tmp_path):
+    run = tmp_path / "run"
+    train(config(run, "train.max_steps=3", "train.save_steps=1", f"train.save_total_limit={limit}"))
+    assert sorted(int(p.name.split("-")[1]) for p in run.glob("checkpoint-*")) == kept
+    assert latest_checkpoint(run).name == "checkpoint-3"
 
 
 def test_logged_lr_is_the_rate_the_step_used(tmp_path):

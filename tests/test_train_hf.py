@@ -172,3 +172,23 @@ def test_a_round_nothing_scores_is_reported(qwen_dir, gsm8k_file, tmp_path, caps
         f"train.output_dir={tmp_path / 'run'}"])
     train(cfg)
     assert "warning: no reward function scored any completion of round 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+def test_weight_decay_skips_the_parameters_transformers_trainer_skips(family, hf_checkpoint):
+    """train.weight_decay decays what transformers' Trainer (so TRL) decays, by name: not biases
+    (Qwen2's q/k/v), not norm weights (Qwen3's q_norm / k_norm too); the embedding and matrices."""
+    from transformers import Trainer
+
+    from rlcore.config import TrainArgs
+    from rlcore.train import adamw
+
+    path, hf = hf_checkpoint(family)
+    model = load_model(path)
+    opt = adamw(model, TrainArgs(weight_decay=0.1))
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for g in opt.param_groups if g["weight_decay"] == 0.1 for p in g["params"]}
+    kept = {names[id(p)] for g in opt.param_groups if g["weight_decay"] == 0.0 for p in g["params"]}
+    assert decayed == set(Trainer.get_decay_parameter_names(None, hf))
+    assert decayed | kept == set(names.values()) and not decayed & kept
+    assert any(n.endswith("bias") for n in kept) == (family == "qwen2")

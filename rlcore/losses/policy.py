@@ -153,6 +153,7 @@ def policy_loss(
     delta: float | None = None,
     ref: Tensor | None = None,
     beta: float = 0.0,
+    use_bias_correction_kl: bool = False,
     tis_weights: Tensor | None = None,
     entropy: Tensor | None = None,
     top_entropy_quantile: float = 1.0,
@@ -165,7 +166,8 @@ def policy_loss(
     advantages [B], mask [B, T], ref [B, T] reference log-probs (needed when beta != 0),
     tis_weights [B, T] or [B, 1] from `tis_weights`, entropy [B, T] of the current policy
     (needed when top_entropy_quantile < 1). epsilon_high defaults to epsilon; for cispo it is
-    an absolute cap on the ratio (recommended 5.0). Option names and risky combinations are
+    an absolute cap on the ratio (recommended 5.0). use_bias_correction_kl multiplies the KL
+    term by the ratio (TRL's option of that name). Option names and risky combinations are
     checked once by `check_loss_options`, not per micro-batch.
     Metrics (detached 0-dim masked means over valid tokens, plus `tokens`, the count):
     clip_ratio/low, /high, /region (ppo: tokens where clipping removed the gradient; cispo:
@@ -216,7 +218,13 @@ def policy_loss(
     # 4. KL to the reference, k3 estimator (Schulman 2020; DeepSeekMath): >= 0, unbiased on-policy.
     per_token = l_pg
     if beta != 0.0:
-        per_token = l_pg + beta * (torch.exp(ref - logp) - (ref - logp) - 1)
+        kl = torch.exp(ref - logp) - (ref - logp) - 1
+        if use_bias_correction_kl:
+            # TRL's use_bias_correction_kl: the k3 of tokens sampled from pi_old, weighted by
+            # r = pi_theta / pi_old to estimate KL(pi_theta || ref); on-policy r = 1 in value
+            # but not in gradient (d r = r d logp), which adds kl * d logp.
+            kl = kl * ratio
+        per_token = l_pg + beta * kl
 
     with torch.no_grad():
         r = ratio.expand_as(logp)
