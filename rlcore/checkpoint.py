@@ -4,6 +4,10 @@ Loading builds the model on the meta device (no memory), then assigns the tensor
 disk, converted one at a time to the requested dtype: the process never holds a second full
 copy of the weights. Saving writes the same layout transformers writes, so
 `AutoModelForCausalLM.from_pretrained(path)` loads an rlcore checkpoint back.
+
+A training run's checkpoints are directories `checkpoint-<step>/` in the run directory, each
+the model in that format (`model/`, with the tokenizer files) and `trainer_state.pt`, written
+atomically and found again through the file `latest`.
 """
 
 from __future__ import annotations
@@ -228,3 +232,58 @@ def fsync_dir(path: Path) -> None:
         if p.is_file():
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
+
+
+# ----------------------------------------------------------------------------- run checkpoints
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                   "chat_template.jinja", "special_tokens_map.json")
+
+
+def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep: int | None = 2) -> Path:
+    """run/checkpoint-<step>/: HF weights + tokenizer + trainer_state.pt, then `latest` points to it.
+
+    The directory is written under a temporary name and renamed, and `latest` is replaced
+    atomically, so a crash at any point leaves the previous checkpoint intact and findable.
+    Then all but the newest `keep` checkpoints are deleted (None: none are).
+    """
+    final = run / f"checkpoint-{step}"
+    tmp = run / f".checkpoint-{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    extra = {n: source / n for n in TOKENIZER_FILES if (source / n).is_file()}
+    save_model(model, tmp / "model", extra_files=extra)
+    torch.save(state, tmp / "trainer_state.pt")
+    with open(tmp / "trainer_state.pt", "rb") as f:
+        os.fsync(f.fileno())
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    with open(run / "latest.tmp", "w") as f:
+        f.write(final.name)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(run / "latest.tmp", run / "latest")
+    old = sorted((p for p in run.glob("checkpoint-*") if p != final), key=lambda p: int(p.name.split("-")[1]))
+    for p in old[:len(old) - keep + 1] if keep is not None else []:
+        shutil.rmtree(p, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run: Path) -> Path:
+    ptr = run / "latest"
+    if not ptr.is_file():
+        raise FileNotFoundError(f"{run}: no `latest` file; nothing to resume (was a checkpoint saved?)")
+    ck = run / ptr.read_text().strip()
+    if not (ck / "trainer_state.pt").is_file():
+        raise FileNotFoundError(f"{ck}: checkpoint named by {ptr} is incomplete")
+    return ck
+
+
+def load_trainer_state(ck: Path) -> dict:
+    """The optimizer, schedule, RNG and data-position state saved with checkpoint `ck`."""
+    file = ck / "trainer_state.pt"
+    try:
+        return torch.load(file, weights_only=False)
+    except Exception as e:  # a damaged file fails inside pickle or zipfile, with no file name
+        raise ValueError(f"{file} cannot be read ({type(e).__name__}: {e}); the checkpoint is damaged. "
+                         f"The run directory keeps the previous checkpoint-<step>: write its name into "
+                         f"{ck.parent / 'latest'} to resume from it") from e

@@ -21,14 +21,13 @@ import json
 import math
 import os
 import resource
-import shutil
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-from rlcore.checkpoint import load_model, save_model
+from rlcore.checkpoint import latest_checkpoint, load_model, load_trainer_state, save_checkpoint
 from rlcore.config import Config, validate
 from rlcore import distributed
 from rlcore.data import encode_prompts, load_examples
@@ -42,9 +41,6 @@ from rlcore.rollout import generate
 from rlcore.sft import SharedPrompts, completion_logprobs, pack
 from rlcore.tasks import TASK_REWARD, unique_problems
 from rlcore.tokenizer import Tokenizer, check_vocab_fits
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
-                   "chat_template.jinja", "special_tokens_map.json")
 
 
 # ----------------------------------------------------------------------------- plumbing
@@ -158,55 +154,6 @@ def decode_completions(tok: Tokenizer, ro) -> list[str]:
     """Text of each completion, for the reward functions only (training uses the token ids)."""
     return [tok.decode(ids[:n].tolist(), skip_special_tokens=True)
             for ids, n in zip(ro.completion_ids, ro.lengths.tolist())]
-
-
-def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep: int | None = 2) -> Path:
-    """run/checkpoint-<step>/: HF weights + tokenizer + trainer_state.pt, then `latest` points to it.
-
-    The directory is written under a temporary name and renamed, and `latest` is replaced
-    atomically, so a crash at any point leaves the previous checkpoint intact and findable.
-    Then all but the newest `keep` checkpoints are deleted (None: none are).
-    """
-    final = run / f"checkpoint-{step}"
-    tmp = run / f".checkpoint-{step}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    extra = {n: source / n for n in TOKENIZER_FILES if (source / n).is_file()}
-    save_model(model, tmp / "model", extra_files=extra)
-    torch.save(state, tmp / "trainer_state.pt")
-    with open(tmp / "trainer_state.pt", "rb") as f:
-        os.fsync(f.fileno())
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
-    with open(run / "latest.tmp", "w") as f:
-        f.write(final.name)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(run / "latest.tmp", run / "latest")
-    old = sorted((p for p in run.glob("checkpoint-*") if p != final), key=lambda p: int(p.name.split("-")[1]))
-    for p in old[:len(old) - keep + 1] if keep is not None else []:
-        shutil.rmtree(p, ignore_errors=True)
-    return final
-
-
-def latest_checkpoint(run: Path) -> Path:
-    ptr = run / "latest"
-    if not ptr.is_file():
-        raise FileNotFoundError(f"{run}: no `latest` file; nothing to resume (was a checkpoint saved?)")
-    ck = run / ptr.read_text().strip()
-    if not (ck / "trainer_state.pt").is_file():
-        raise FileNotFoundError(f"{ck}: checkpoint named by {ptr} is incomplete")
-    return ck
-
-
-def load_trainer_state(ck: Path) -> dict:
-    """The optimizer, schedule, RNG and data-position state saved with checkpoint `ck`."""
-    file = ck / "trainer_state.pt"
-    try:
-        return torch.load(file, weights_only=False)
-    except Exception as e:  # a damaged file fails inside pickle or zipfile, with no file name
-        raise ValueError(f"{file} cannot be read ({type(e).__name__}: {e}); the checkpoint is damaged. "
-                         f"The run directory keeps the previous checkpoint-<step>: write its name into "
-                         f"{ck.parent / 'latest'} to resume from it") from e
 
 
 def reduce_metrics(parts: list[dict], world: int = 1, device: torch.device | None = None) -> dict:

@@ -21,7 +21,6 @@ import torch
 from safetensors.torch import load_file
 
 import rlcore.train
-from rlcore.checkpoint import load_model
 from rlcore.cli import DEFAULT_CONFIG, main
 from rlcore.config import load_config
 from rlcore.data import DataError
@@ -29,7 +28,8 @@ from rlcore.embedded import build_embedded_model
 from rlcore.tasks import unique_problems
 from rlcore.tokenizer import Tokenizer
 from rlcore.losses.policy import policy_loss
-from rlcore.train import latest_checkpoint, reduce_metrics, train
+from rlcore.checkpoint import latest_checkpoint, load_model
+from rlcore.train import reduce_metrics, train
 
 SEED, NUM_EVAL = 0, 16
 SMALL = ["train.device=cpu", f"data.seed={SEED}", f"data.num_eval={NUM_EVAL}", "data.num_train=256",
