@@ -176,6 +176,10 @@ class TrainArgs:
     """directory for metrics, checkpoints and the resolved config; "{time}" becomes the start time"""
     logging_steps: int = 1
     """print a progress line every this many optimizer steps (metrics.jsonl gets every step)"""
+    log_completions: bool = False
+    """append every completion with its rewards and advantage to completions.jsonl, and print some"""
+    num_completions_to_print: int | None = None
+    """completions of each round log_completions prints (None = all, as TRL)"""
     eval_steps: int = 0
     """evaluate on the held-out set every this many optimizer steps (0 = only at the end)"""
     save_steps: int = 0
@@ -578,6 +582,8 @@ def validate(config: Config, world_size: int = 1) -> None:
                       f"{lo.loss_type!r}: the GSPO objective is loss_type = 'grpo' (per-sequence mean)",
                       stacklevel=2)
 
+    need(t.num_completions_to_print is None or t.num_completions_to_print >= 0,
+         f"train.num_completions_to_print = {t.num_completions_to_print} must be >= 0, or none to print all")
     need(t.save_total_limit is None or t.save_total_limit >= 1,
          f"train.save_total_limit = {t.save_total_limit} must be >= 1, or none to keep every checkpoint")
     need(t.max_steps >= 1, f"train.max_steps = {t.max_steps} must be >= 1 (rlcore counts optimizer steps; "

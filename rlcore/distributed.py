@@ -102,3 +102,14 @@ def gather_objects(obj, world: int) -> list:
     out = [None] * world
     dist.all_gather_object(out, obj)
     return out
+
+
+def concat_over_ranks(lists: dict[str, list], world: int) -> dict[str, list]:
+    """`{key: rank 0's list + rank 1's list + ...}` on every rank; a key may be missing on some."""
+    if world == 1:
+        return lists
+    out: dict[str, list] = {}
+    for part in gather_objects(dict(lists), world):
+        for key, values in part.items():
+            out.setdefault(key, []).extend(values)
+    return out

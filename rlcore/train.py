@@ -150,6 +150,32 @@ def record_eval(run: Path, step: int, accuracy: float) -> None:
     print(f"step {step}: held-out accuracy {accuracy:.3f}", flush=True)
 
 
+def drop_rows_after(file: Path, step: int) -> None:
+    """Keep the JSON lines of `file` whose "step" is at most `step` (a resume drops later ones)."""
+    if file.exists():
+        keep = [ln for ln in file.read_text().splitlines() if json.loads(ln)["step"] <= step]
+        file.write_text("".join(ln + "\n" for ln in keep))
+
+
+def log_completions(run: Path, step: int, texts: list, R: torch.Tensor, adv: torch.Tensor,
+                    lengths: torch.Tensor, names: list[str], show: int | None) -> None:
+    """Append a round's completions, all ranks' in order, to run/completions.jsonl with their
+    rewards `R` `[N, F]` (None where unscored), advantage `[N]`, length `[N]` and the columns
+    reward functions gave `log_extra`; print the first `show` of them (None: all), as TRL's
+    log_completions does. `texts` holds each rank's (prompts, completions, extra columns)."""
+    rows = [{"prompt": p, "completion": c, **{k: v[i] for k, v in extra.items()}}
+            for prompts, completions, extra in texts for i, (p, c) in enumerate(zip(prompts, completions))]
+    records = [{"step": step, **row, "rewards": {n: None if math.isnan(x) else x for n, x in zip(names, r)},
+                "advantage": a, "length": n}
+               for row, r, a, n in zip(rows, R.tolist(), adv.tolist(), lengths.tolist())]
+    with open(run / "completions.jsonl", "a") as f:
+        f.writelines(json.dumps(rec, default=str) + "\n" for rec in records)
+    for i, rec in enumerate(records[:show]):
+        scores = ", ".join(f"{n} {x:.3g}" if x is not None else f"{n} None" for n, x in rec["rewards"].items())
+        print(f"  completion {i + 1}/{len(records)}: {scores}, advantage {rec['advantage']:+.3f}\n"
+              f"    prompt: {str(rec['prompt'])[-200:]!r}\n    completion: {str(rec['completion'])[:300]!r}", flush=True)
+
+
 def decode_completions(tok: Tokenizer, ro) -> list[str]:
     """Text of each completion, for the reward functions only (training uses the token ids)."""
     return [tok.decode(ids[:n].tolist(), skip_special_tokens=True)
@@ -264,8 +290,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
         if main:
             keep = metrics_file.read_text().splitlines()[:step]  # one row per step; later (torn) rows go
             metrics_file.write_text("".join(ln + "\n" for ln in keep))
-            evals = [ln for ln in (run / "eval.jsonl").read_text().splitlines() if json.loads(ln)["step"] <= step]
-            (run / "eval.jsonl").write_text("".join(ln + "\n" for ln in evals))
+            drop_rows_after(run / "eval.jsonl", step)
+            drop_rows_after(run / "completions.jsonl", step)
             print(f"resumed from {ck} at step {step}", flush=True)
     else:
         before = evaluate(model, tok, eval_set, accuracy_fn, t.eval_max_completion_length)
@@ -293,19 +319,21 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
         t0 = time.time()
         prompts, completions, values = reward_inputs(rows, decode_completions(tok, ro), columns)
         completion_ids = [c[:n].tolist() for c, n in zip(ro.completion_ids, ro.lengths)]
-        logged = defaultdict(list)  # what reward functions report with log_metric
+        logged, extra = defaultdict(list), {}  # what reward functions report (log_metric, log_extra)
         trl_kwargs = {"completion_ids": completion_ids,
                       "trainer_state": RewardState(step, t.max_steps),
                       "log_metric": lambda name, value: logged[name].append(float(value)),
-                      "log_extra": lambda column, values: None}
+                      "log_extra": lambda column, values: extra.__setitem__(column, list(values))}
         R = score_completions(reward_funcs, prompts, completions, values, lc.reward_on_error, trl_kwargs)
+        logged = distributed.concat_over_ranks(logged, world)  # every rank's log_metric values
         R = distributed.gather_rows(R.to(device), world)
         if main and R.isnan().all():
             print(f"warning: no reward function scored any completion of round {step // steps_per_round + 1} "
                   f"(all returned None), so every advantage is 0 and its steps learn nothing; check "
                   f"loss.reward_funcs and the columns they need (data.answer_column)", flush=True)
-        adv, reward_stats = compute_advantages(R, G, lc.reward_weights, lc.scale_rewards, reward_names=lc.reward_funcs)
-        adv = adv[mine]
+        every_adv, reward_stats = compute_advantages(R, G, lc.reward_weights, lc.scale_rewards,
+                                                     reward_names=lc.reward_funcs)
+        adv = every_adv[mine]
         acc = accuracy_fn(prompts=prompts, completions=completions, **values)
         acc = distributed.gather_rows(torch.tensor([a or 0.0 for a in acc], device=device), world)
 
@@ -328,6 +356,11 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                        "completion/len_min": every_length.min().item(), "completion/len_max": every_length.max().item(),
                        "completion/truncated_frac": every_truncated.mean().item(),
                        "tokens_per_s/rollout": every_length.sum().item() / max(t_rollout, 1e-9)}
+        if t.log_completions:  # every rank's texts and log_extra columns; rank 0 writes them
+            texts = distributed.gather_objects((prompts, completions, extra), world)
+            if main:
+                log_completions(run, step + 1, texts, R, every_adv, every_length, lc.reward_funcs,
+                                t.num_completions_to_print)
         t_score = time.time() - t0
 
         # 4. old log-probs only when the round is off-policy (or TIS needs them); ref only if beta.

@@ -23,8 +23,6 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     "logging_strategy": (("steps",), "rlcore logs every step; train.logging_steps sets how often it prints"),
     "save_strategy": (("steps",), "rlcore saves every train.save_steps steps (0 = only at the end) and at the end"),
     "eval_strategy": (("no", "steps"), "rlcore evaluates before and after training and every train.eval_steps steps"),
-    "log_completions": ((False,), "rlcore prints no completion tables"),
-    "num_completions_to_print": (ANY, "rlcore prints no completion tables"),
     "save_only_model": (ANY, "rlcore saves the trainer state next to the weights, for --resume"),
     "resume_from_checkpoint": ((None,), "resume a run with `rlcore train --resume RUN_DIR`"),
     "hub_model_id": (ANY, "rlcore cannot reach a model hub"),

@@ -161,7 +161,7 @@ def test_a_trl_config_loads_and_says_what_it_ignores(tmp_path):
     assert c.rollout.num_generations == 4
     said = " | ".join(str(w.message) for w in caught)
     for key in ("gradient_checkpointing_kwargs", "optim", "report_to", "use_vllm", "vllm_mode",
-                "vllm_gpu_memory_utilization", "disable_dropout", "log_completions"):
+                "vllm_gpu_memory_utilization", "disable_dropout"):
         assert f"TRL's {key} = " in said and "is ignored" in said, key
 
 

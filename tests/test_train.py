@@ -260,6 +260,41 @@ def test_beta_trains_against_the_initial_policy_and_logs_kl_ref(correction, tmp_
     assert seen and set(seen) == {correction}
 
 
+def extra_and_metric(prompts, completions, log_extra, log_metric, **columns):
+    """A TRL-style reward that logs a column and, once per completion, a metric; it scores 0.5."""
+    log_extra("starts_with", [c[:1] for c in completions])
+    for score in first_digit(prompts, completions):
+        log_metric("custom/first_digit", score)
+    return [0.5] * len(completions)
+
+
+def logged_metric_is_the_mean_over_the_round(run, per_round):
+    """custom/first_digit of each step is first_digit's mean over its round in completions.jsonl."""
+    got = [json.loads(ln) for ln in (run / "completions.jsonl").read_text().splitlines()]
+    want = [sum(r["rewards"][f"{__name__}:first_digit"] for r in got[k:k + per_round]) / per_round
+            for k in range(0, len(got), per_round)]
+    return [m["custom/first_digit"] for m in rows(run)] == pytest.approx(want, rel=1e-6)
+
+
+def test_log_completions_writes_every_completion_with_its_rewards_and_advantage(tmp_path, capsys):
+    run = tmp_path / "run"
+    train(config(run, "train.max_steps=2", "train.log_completions=true", "train.num_completions_to_print=2",
+                 f"loss.reward_funcs=['{__name__}:first_digit', '{__name__}:extra_and_metric']"))
+    got = [json.loads(ln) for ln in (run / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in got] == [1] * 16 + [2] * 16  # one round per step, 16 completions each
+    for r in got:  # the scores, recomputed from the logged text
+        assert r["rewards"] == pytest.approx({f"{__name__}:first_digit": first_digit([r["prompt"]], [r["completion"]])[0],
+                                              f"{__name__}:extra_and_metric": 0.5}, rel=1e-6)  # fp32
+        assert r["starts_with"] == r["completion"][:1] and 1 <= r["length"] <= 512
+    for k in range(0, 32, 4):  # advantages: (r - group mean) / (group std + 1e-4), weights 1
+        total = torch.tensor([sum(r["rewards"].values()) for r in got[k:k + 4]], dtype=torch.float64)
+        want = (total - total.mean()) / (total.std() + 1e-4)
+        assert [r["advantage"] for r in got[k:k + 4]] == pytest.approx(want.tolist(), abs=1e-5)
+    out = capsys.readouterr().out
+    assert "completion 2/16:" in out and "completion 3/16:" not in out
+    assert logged_metric_is_the_mean_over_the_round(run, 16)
+
+
 def test_max_grad_norm_zero_means_no_clipping(tmp_path, embedded_dir):
     # 0.0 is documented as "no clipping"; clip_grad_norm_(.., 0.0) would zero every gradient.
     for name, value in (("zero", "0.0"), ("huge", "1e9")):
@@ -411,7 +446,7 @@ def test_resume_after_a_crash_matches_an_uninterrupted_run(tmp_path, monkeypatch
     # on disk it has checkpoint-2, `latest` -> checkpoint-2, and two rows the resume must drop.
     import rlcore.train
 
-    steps = ["train.max_steps=4", "train.save_steps=2"]
+    steps = ["train.max_steps=4", "train.save_steps=2", "train.log_completions=true", "train.num_completions_to_print=0"]
     assert main(cli_args(tmp_path / "a", *steps)) == 0
     real = rlcore.train.save_checkpoint
 
@@ -433,6 +468,8 @@ def test_resume_after_a_crash_matches_an_uninterrupted_run(tmp_path, monkeypatch
     assert all(torch.equal(a[k], b[k]) for k in a)
     strip = lambda r: {k: v for k, v in r.items() if not k.startswith(TIMING)}  # noqa: E731
     assert [strip(r) for r in rows(tmp_path / "b")] == [strip(r) for r in rows(tmp_path / "a")]
+    completions = [(run / "completions.jsonl").read_text().splitlines() for run in (tmp_path / "a", tmp_path / "b")]
+    assert len(completions[0]) == 4 * 16 and completions[0] == completions[1]  # the crash's rows dropped
 
 
 def test_resume_with_a_larger_max_steps_follows_the_new_schedule(tmp_path):
@@ -694,11 +731,17 @@ def test_two_ranks_train_one_run_in_sync_and_resume(tmp_path):
     """torchrun with 2 gloo ranks: 6 completions per rank, so a group of 4 straddles the ranks.
     Replica checksums are compared at every checkpoint (a mismatch raises); rank 0 alone writes."""
     run = tmp_path / "run"
-    args = cli_args(run, "train.per_device_train_batch_size=6", "train.max_steps=2", "train.save_steps=1")
+    args = cli_args(run, "train.per_device_train_batch_size=6", "train.max_steps=2", "train.save_steps=1",
+                    "train.log_completions=true", "train.num_completions_to_print=0",
+                    f"loss.reward_funcs=['{__name__}:first_digit', '{__name__}:extra_and_metric']")
     out = torchrun(tmp_path, *args)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("held-out accuracy: before=") == 1  # rank 0 reports
     assert [r["step"] for r in rows(run)] == [1, 2]
+    # both ranks' completions, log_extra columns and log_metric values reach rank 0's files
+    got = [json.loads(ln) for ln in (run / "completions.jsonl").read_text().splitlines()]
+    assert len(got) == 2 * 12 and all(r["starts_with"] == r["completion"][:1] for r in got)
+    assert logged_metric_is_the_mean_over_the_round(run, 12)
     state = torch.load(run / "checkpoint-2" / "trainer_state.pt", weights_only=False)
     assert len(state["sampler_rng"]) == 2 and not torch.equal(*state["sampler_rng"])  # one stream per rank
     out = torchrun(tmp_path, "train", "--resume", str(run), "--set", "train.max_steps=3")
