@@ -72,6 +72,8 @@ class DataArgs:
     """system message put before every prompt; None = no system message"""
     use_chat_template: bool = True
     """format prompts with the tokenizer's chat template when it has one"""
+    chat_template_kwargs: dict[str, str | int | float | bool] = field(default_factory=dict)
+    """extra variables for the chat template, e.g. {enable_thinking = false} for Qwen3 (TRL's option)"""
     max_prompt_length: int = 512
     """longest prompt in tokens, after formatting; a longer prompt is an error that names it"""
 
@@ -282,6 +284,8 @@ def _toml_value(v) -> str:
         return repr(v)
     if isinstance(v, str):
         return _toml_string(v)
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_string(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
     return "[" + ", ".join(_toml_value(x) for x in v) + "]"
 
 
@@ -361,7 +365,7 @@ def normalize(d: dict) -> dict:
                 raise ConfigError(f"config section {key} = {value!r} must be a table; write "
                                   f"[{key}] and its keys under it, or {key}.<key> = value")
             out.setdefault(key, {}).update(value)
-        elif isinstance(value, dict) and trl_options.explain(key, value) is None:
+        elif isinstance(value, dict) and not _owners(key) and trl_options.explain(key, value) is None:
             raise _unknown_section(key)
         else:
             flat[key] = value
@@ -380,7 +384,7 @@ def _flat_target(key: str) -> tuple[str, str]:
         return FLAT_ALIASES[key]
     if key in trl_options.TRL_ONLY or key.startswith("vllm_"):
         return "train", key  # TRL's, without an rlcore field: Config.from_dict explains it there
-    owners = [name for name, cls in SECTIONS.items() if key in _field_names(cls)]
+    owners = _owners(key)
     if len(owners) == 1:
         return owners[0], key
     if len(owners) > 1:
@@ -393,6 +397,11 @@ def _unknown_section(name: str) -> ConfigError:
     close = difflib.get_close_matches(name, SECTIONS, n=1)
     hint = f"did you mean [{close[0]}]? " if close else ""
     return ConfigError(f"unknown config section [{name}]; {hint}sections are {', '.join(SECTIONS)}")
+
+
+def _owners(key: str) -> list[str]:
+    """The sections that have a field named `key`."""
+    return [name for name, cls in SECTIONS.items() if key in _field_names(cls)]
 
 
 def _field_names(cls) -> list[str]:
@@ -427,6 +436,8 @@ def _accepts(tp, value_type: type) -> bool:
         return any(type(a) is value_type for a in args)
     if origin is list:
         return value_type is list
+    if origin is dict:
+        return value_type is dict
     if tp is float:
         return value_type in (int, float)
     return tp is value_type
@@ -440,6 +451,8 @@ def _describe(tp) -> str:
         return "one of " + ", ".join(repr(a) for a in args)
     if origin is list:
         return f"a list of {_describe(args[0]).split(' ', 1)[1]}s"
+    if origin is dict:
+        return "a table of names to strings, numbers or bools"
     return {int: "an int", float: "a float", str: "a string", bool: "a bool (true/false)"}[tp]
 
 
@@ -475,6 +488,9 @@ def _convert(value, tp) -> tuple[bool, object]:
             return False, value
         items = [_convert(v, args[0]) for v in value]
         return all(ok for ok, _ in items), [v for _, v in items]
+    if origin is dict:
+        scalar = (str, int, float, bool)
+        return isinstance(value, dict) and all(type(v) in scalar for v in value.values()), value
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return True, float(value)
     return type(value) is tp, value
@@ -488,6 +504,8 @@ def _example(tp) -> str:
         return str(args[0])
     if origin is list:
         return "[" + _example(args[0]) + "]" if args[0] is not str else '["a","b"]'
+    if origin is dict:
+        return "{enable_thinking=false}"
     return {int: "1", float: "0.5", str: "text", bool: "true"}[tp]
 
 

@@ -121,11 +121,12 @@ def load_examples(data) -> tuple[list[dict], list[dict]]:
 
 
 def format_prompt(example: dict, tokenizer, system_prompt: str | None = None,
-                  use_chat_template: bool = True) -> list[int]:
+                  use_chat_template: bool = True, chat_template_kwargs: dict | None = None) -> list[int]:
     """Token ids of the prompt, ready for generation.
 
     With a chat template (and `use_chat_template`): the system message (if any) and the prompt
-    as the user message, rendered with the generation prompt appended. Without one: the plain
+    as the user message, rendered with the generation prompt appended and the template
+    variables `chat_template_kwargs` (e.g. Qwen3's enable_thinking). Without one: the plain
     text, preceded by the system prompt and a blank line when there is one.
     """
     prompt = example["prompt"]
@@ -133,7 +134,8 @@ def format_prompt(example: dict, tokenizer, system_prompt: str | None = None,
         messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         if system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system_prompt})
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            **(chat_template_kwargs or {}))
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
     if isinstance(prompt, list):
         raise DataError(f"prompt {str(prompt)[:60]!r} is a list of chat messages but the tokenizer "
@@ -143,11 +145,11 @@ def format_prompt(example: dict, tokenizer, system_prompt: str | None = None,
 
 
 def encode_prompts(examples: list[dict], tokenizer, system_prompt: str | None, use_chat_template: bool,
-                   max_prompt_length: int) -> list[list[int]]:
+                   max_prompt_length: int, chat_template_kwargs: dict | None = None) -> list[list[int]]:
     """`format_prompt` for each example; a prompt over `max_prompt_length` tokens is an error naming it."""
     out = []
     for i, ex in enumerate(examples):
-        ids = format_prompt(ex, tokenizer, system_prompt, use_chat_template)
+        ids = format_prompt(ex, tokenizer, system_prompt, use_chat_template, chat_template_kwargs)
         if len(ids) > max_prompt_length:
             raise DataError(f"example {i} (prompt {str(ex['prompt'])[:60]!r}...) is {len(ids)} tokens "
                             f"after formatting, over data.max_prompt_length = {max_prompt_length}; "

@@ -249,7 +249,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
     ref = load_model(cfg.model.ref_path or model_dir, cfg.model.dtype, device).eval() if lc.beta else None
     for split in (train_set, eval_set):
         ids = encode_prompts(split, tok, cfg.data.system_prompt, cfg.data.use_chat_template,
-                             cfg.data.max_prompt_length)
+                             cfg.data.max_prompt_length, cfg.data.chat_template_kwargs)
         for ex, p in zip(split, ids):
             ex["prompt_ids"] = p
     reward_funcs = get_reward_funcs(lc.reward_funcs)

@@ -45,7 +45,6 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     "fsdp": (("", None), "rlcore's data parallelism is torchrun --nproc_per_node=N (rlcore.distributed)"),
     "ddp_find_unused_parameters": (ANY, "rlcore averages every gradient itself (rlcore.distributed)"),
     "ddp_timeout": (ANY, "rlcore uses torch.distributed's default timeout"),
-    "chat_template_kwargs": ((None,), "rlcore renders the chat template with its standard variables only"),
     "optim": (("adamw_torch", "adamw_torch_fused", "adamw_hf"),
               "rlcore trains with torch.optim.AdamW (train.adam_beta1, adam_beta2, adam_epsilon, weight_decay)"),
     "fp16": ((False,), "fp16 training is not supported; set train.bf16 = true (bf16 autocast over fp32 weights)"),

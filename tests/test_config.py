@@ -216,8 +216,20 @@ def test_dict_round_trip():
 
 def test_dump_config_reads_back_equal(tmp_path):
     c = load_config(None, ["loss.beta=0.04", 'data.system_prompt=say "hi"\\n', "loss.reward_weights=[1, 0.5]",
-                           'loss.reward_funcs=["accuracy", "format"]'])
+                           'loss.reward_funcs=["accuracy", "format"]',
+                           'data.chat_template_kwargs={enable_thinking=false, "a key"="x", n=2}'])
+    assert c.data.chat_template_kwargs == {"enable_thinking": False, "a key": "x", "n": 2}
     assert load_config(write(tmp_path, dump_config(c)), []) == c
+
+
+def test_chat_template_kwargs_as_a_toml_table_inline_or_nested(tmp_path):
+    inline = load_config(write(tmp_path, "[data]\nchat_template_kwargs = {enable_thinking = false}\n"), [])
+    nested = load_config(write(tmp_path, "[data.chat_template_kwargs]\nenable_thinking = false\n"), [])
+    flat = load_config(write(tmp_path, "chat_template_kwargs = {enable_thinking = false}\n"), [])  # TRL's place
+    assert inline.data.chat_template_kwargs == nested.data.chat_template_kwargs == flat.data.chat_template_kwargs \
+        == {"enable_thinking": False}
+    with pytest.raises(ConfigError, match=r"chat_template_kwargs = \{'a': \[1\]\} has type dict, expected a table"):
+        load_config(None, ["data.chat_template_kwargs={a=[1]}"])
 
 
 @pytest.mark.parametrize("name", ["default.toml", "qwen2.5-0.5b-gsm8k.toml"])

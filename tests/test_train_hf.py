@@ -192,3 +192,38 @@ def test_weight_decay_skips_the_parameters_transformers_trainer_skips(family, hf
     assert decayed == set(Trainer.get_decay_parameter_names(None, hf))
     assert decayed | kept == set(names.values()) and not decayed & kept
     assert any(n.endswith("bias") for n in kept) == (family == "qwen2")
+
+
+QWEN3_GENERATION_PROMPT = """{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+
+
+def test_chat_template_kwargs_render_prompts_as_transformers_does(qwen_dir, gsm8k_file, tmp_path, monkeypatch):
+    """data.chat_template_kwargs (TRL's chat_template_kwargs) reaches the template: Qwen3's
+    enable_thinking = false pre-fills an empty think block, as transformers renders it."""
+    import rlcore.train
+
+    template = qwen_dir / "chat_template.jinja"
+    text = template.read_text()
+    template.write_text(text[:text.rindex("{%- if add_generation_prompt %}")] + QWEN3_GENERATION_PROMPT)
+    cfg = load_config(None, [
+        f"model.path={qwen_dir}", "data.task=jsonl", f"data.path={gsm8k_file}", "data.prompt_column=question",
+        "data.num_eval=4", "data.chat_template_kwargs={enable_thinking=false}", "rollout.num_generations=4",
+        "rollout.max_completion_length=4", "train.eval_max_completion_length=4", "train.per_device_train_batch_size=8",
+        "train.max_steps=1", "train.device=cpu", f"train.output_dir={tmp_path / 'run'}"])
+    tok, ref = Tokenizer.from_dir(qwen_dir), transformers.AutoTokenizer.from_pretrained(qwen_dir)
+    messages = [{"role": "user", "content": "How many?"}]
+    for kwargs in ({}, cfg.data.chat_template_kwargs):
+        ours = format_prompt({"prompt": "How many?"}, tok, None, True, kwargs)
+        assert ours == ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                               return_dict=False, **kwargs)
+        assert ("<think>" in tok.decode(ours)) == bool(kwargs)
+    seen, real = [], rlcore.train.encode_prompts
+    monkeypatch.setattr(rlcore.train, "encode_prompts", lambda *a: seen.append(a[-1]) or real(*a))
+    train(cfg)
+    assert seen == [{"enable_thinking": False}] * 2  # the training and the held-out prompts
