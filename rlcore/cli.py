@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlcore: config error: {e}", file=sys.stderr)
         return 2
 
+    from rlcore import distributed
     from rlcore.config import dump_config
     from rlcore.train import train
 
@@ -83,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         # names the problem and the value; a traceback would only bury it.
         print(f"rlcore: error: {e}", file=sys.stderr)
         return 1
+    finally:
+        distributed.close()  # under torchrun: before exit, not in the interpreter's teardown
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports
         return 0
     print(f"run directory: {run}  ({time.time() - t0:.0f}s)")

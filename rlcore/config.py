@@ -613,7 +613,8 @@ def validate(config: Config, world_size: int = 1) -> None:
          f"train.warmup_ratio = {t.warmup_ratio} are both set; keep one")
     need(t.lr_scheduler_type != "constant" or not (t.warmup_steps or t.warmup_ratio),
          f"train.lr_scheduler_type = 'constant' has no warmup, but warmup_steps = {t.warmup_steps} / "
-         f"warmup_ratio = {t.warmup_ratio}; use 'constant_with_warmup' or 'cosine'")
+         f"warmup_ratio = {t.warmup_ratio}; set train.lr_scheduler_type to 'constant_with_warmup', 'cosine' "
+         f"or 'linear' (TRL's default; rlcore's is 'constant')")
     need(t.weight_decay >= 0, f"train.weight_decay = {t.weight_decay} must be >= 0")
     need(0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1, f"train.adam_beta1 = {t.adam_beta1}, "
          f"train.adam_beta2 = {t.adam_beta2} must be in [0, 1)")

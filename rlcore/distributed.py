@@ -27,6 +27,12 @@ def init(device: torch.device) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def close() -> None:
+    """End the process group `init` started (a no-op without one)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def gather_rows(x: torch.Tensor, world: int) -> torch.Tensor:
     """Concatenate equal-shaped `[n, ...]` tensors of all ranks in rank order: `[world * n, ...]`."""
     if world == 1:
@@ -93,6 +99,12 @@ def check_replicas_agree(model: torch.nn.Module, world: int) -> None:
     if not torch.all(sums == sums[0]):
         raise RuntimeError(f"data-parallel replicas disagree (weight checksums {sums.tolist()}); "
                            "every rank must apply the same averaged gradients")
+
+
+def barrier(world: int) -> None:
+    """Wait until every rank gets here."""
+    if world > 1:
+        dist.barrier()
 
 
 def gather_objects(obj, world: int) -> list:

@@ -103,11 +103,12 @@ def lr_lambda(cfg: Config, total_steps: int):
     return f
 
 
-def embedded_model_dir(cfg: Config) -> Path:
+def embedded_model_dir(cfg: Config, rank: int = 0, world: int = 1) -> Path:
     """The embedded default checkpoint, built on first run from the task's training problems.
 
     Cached under $RLCORE_CACHE (default ~/.cache/rlcore), keyed by what decides its contents,
     so the held-out problems of `data.seed` / `data.num_eval` are never in its SFT data.
+    Under torchrun rank 0 builds it while the other ranks wait, then they find it cached.
     """
     d = cfg.data
     if d.task != "arithmetic":
@@ -115,7 +116,12 @@ def embedded_model_dir(cfg: Config) -> Path:
                          "set model.path to a Hugging Face checkpoint directory for other tasks")
     cache = Path(os.environ.get("RLCORE_CACHE", Path.home() / ".cache" / "rlcore"))
     pool = unique_problems("arithmetic", 10**6, d.seed)[d.num_eval:]  # everything but the eval set
-    return build_embedded_model(cache / f"embedded-arithmetic-v2-seed{d.seed}-eval{d.num_eval}", pool)
+    if rank != 0:
+        distributed.barrier(world)
+    path = build_embedded_model(cache / f"embedded-arithmetic-v2-seed{d.seed}-eval{d.num_eval}", pool)
+    if rank == 0:
+        distributed.barrier(world)
+    return path
 
 
 def next_prompts(examples: list[dict], pos: int, n: int, seed: int) -> list[dict]:
@@ -130,17 +136,19 @@ def next_prompts(examples: list[dict], pos: int, n: int, seed: int) -> list[dict
 
 @torch.no_grad()
 def evaluate(model, tok: Tokenizer, examples: list[dict], accuracy_fn, max_new_tokens: int,
-             batch_size: int = 128) -> float:
-    """Held-out greedy accuracy: the fraction of prompts whose greedy answer scores 1."""
+             batch_size: int = 128, rank: int = 0, world: int = 1, device: torch.device | None = None) -> float:
+    """Held-out greedy accuracy: the fraction of prompts whose greedy answer scores 1. Each of
+    the `world` ranks answers every world-th prompt; every rank must call it."""
     correct, columns = 0.0, dataset_columns(examples)
-    for i in range(0, len(examples), batch_size):
-        chunk = examples[i:i + batch_size]
+    mine = examples[rank::world]
+    for i in range(0, len(mine), batch_size):
+        chunk = mine[i:i + batch_size]
         ro = generate(model, [ex["prompt_ids"] for ex in chunk], 1, max_new_tokens,
                       eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id, temperature=0.0)
         prompts, completions, values = reward_inputs(chunk, decode_completions(tok, ro), columns)
         scores = accuracy_fn(prompts=prompts, completions=completions, **values)
         correct += sum(1.0 for s in scores if s is not None and s >= 1.0)
-    return correct / max(1, len(examples))
+    return distributed.sum_over_ranks([correct], world, device)[0] / max(1, len(examples))
 
 
 def record_eval(run: Path, step: int, accuracy: float) -> None:
@@ -240,7 +248,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
 
     # Model, tokenizer, data.
     train_set, eval_set = load_examples(cfg.data)
-    model_dir = Path(cfg.model.path) if cfg.model.path not in ("", "embedded") else embedded_model_dir(cfg)
+    model_dir = (Path(cfg.model.path) if cfg.model.path not in ("", "embedded")
+                 else embedded_model_dir(cfg, rank, world))
     tok = Tokenizer.from_dir(model_dir)
     ck = latest_checkpoint(Path(resume)) if resume else None
     model = load_model(ck / "model" if ck else model_dir, cfg.model.dtype, device)
@@ -294,7 +303,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
             drop_rows_after(run / "completions.jsonl", step)
             print(f"resumed from {ck} at step {step}", flush=True)
     else:
-        before = evaluate(model, tok, eval_set, accuracy_fn, t.eval_max_completion_length)
+        before = evaluate(model, tok, eval_set, accuracy_fn, t.eval_max_completion_length,
+                          rank=rank, world=world, device=device)
         if main:
             metrics_file.write_text("")
             (run / "eval.jsonl").write_text("")
@@ -432,8 +442,9 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                     bad_in_row = 0
                 else:
                     bad_in_row, bad_total = bad_in_row + 1, bad_total + 1
-                    print(f"step {step + 1}: non-finite loss or gradient, optimizer step skipped "
-                          f"({bad_in_row} in a row)", flush=True)
+                    if main:
+                        print(f"step {step + 1}: non-finite loss or gradient, optimizer step skipped "
+                              f"({bad_in_row} in a row)", flush=True)
                     if bad_in_row >= t.max_nonfinite_steps:
                         raise RuntimeError(f"{bad_in_row} non-finite steps in a row (train.max_nonfinite_steps="
                                            f"{t.max_nonfinite_steps}); lower the learning rate or check rewards")
@@ -450,10 +461,12 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                        "nonfinite_total": bad_total, **round_times, "time/update": t_step,
                        "tokens_per_s/train": step_len / max(t_step, 1e-9)}
                 round_times = dict.fromkeys(round_times, 0.0)
-                if device.type == "cuda":
-                    met["memory/peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
-                else:  # peak resident set size of this process (Linux reports KiB)
-                    met["memory/peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+                if device.type == "cuda":  # the largest over ranks
+                    met["memory/peak_gb"] = distributed.max_over_ranks(
+                        [torch.cuda.max_memory_allocated() / 2**30], world, device)[0]
+                else:  # peak resident set size of the process (Linux reports KiB)
+                    met["memory/peak_rss_gb"] = distributed.max_over_ranks(
+                        [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20], world, device)[0]
                 if main:
                     with open(metrics_file, "a") as f:
                         f.write(json.dumps({k_: None if isinstance(v, float) and not math.isfinite(v) else v
@@ -467,8 +480,11 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                 break
 
         # Eval and checkpoint at round boundaries (a checkpoint never holds half a round).
-        if main and t.eval_steps and step % t.eval_steps < steps_per_round and step < t.max_steps:
-            record_eval(run, step, evaluate(model, tok, eval_set, accuracy_fn, t.eval_max_completion_length))
+        if t.eval_steps and step % t.eval_steps < steps_per_round and step < t.max_steps:
+            accuracy = evaluate(model, tok, eval_set, accuracy_fn, t.eval_max_completion_length,
+                                rank=rank, world=world, device=device)
+            if main:
+                record_eval(run, step, accuracy)
         if (t.save_steps and step % t.save_steps < steps_per_round) or step >= t.max_steps:
             distributed.check_replicas_agree(model, world)
             samplers = distributed.gather_objects(sampler.get_state(), world)
@@ -483,7 +499,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
         print(f"note: max_steps={t.max_steps} ended the run inside a round of {steps_per_round} optimizer "
               f"steps; a --resume with a larger max_steps starts a new round (the rest of this one is "
               f"not replayed)", flush=True)
-    after = evaluate(model, tok, eval_set, accuracy_fn, t.eval_max_completion_length)
+    after = evaluate(model, tok, eval_set, accuracy_fn, t.eval_max_completion_length,
+                     rank=rank, world=world, device=device)
     if main:
         record_eval(run, step, after)
     return {"before": before, "after": after, "run_dir": str(run)}

@@ -1,4 +1,5 @@
-"""Gradient averaging over 2 gloo processes: every gradient becomes the exact mean of the ranks'."""
+"""Data parallelism over 2 gloo processes: gradient averaging (every gradient becomes the exact mean of
+the ranks'), and the embedded default built once."""
 
 import os
 
@@ -48,3 +49,36 @@ def test_gradients_averaged_with_one_parameter_per_bucket(tmp_path):
 
 def test_gradients_averaged_with_everything_in_few_buckets(tmp_path):
     check_average(tmp_path, bucket_bytes=2**20)  # buckets split only where the dtype changes
+
+
+# ---- the embedded default under torchrun ----
+
+def _embedded_dir_on_rank(rank, init_file, out_dir, cache):
+    """Every rank asks for the embedded model at once; the builder records who built it."""
+    import time
+    from pathlib import Path
+
+    import rlcore.train
+    from rlcore.config import load_config
+
+    def build(path, pool):  # stands in for the 800-step SFT
+        if path.exists():
+            (Path(out_dir) / f"{rank}.txt").write_text("cached")
+        else:
+            time.sleep(1.0)
+            path.mkdir(parents=True)
+            (Path(out_dir) / f"{rank}.txt").write_text("built")
+        return path
+
+    os.environ["RLCORE_CACHE"] = cache
+    rlcore.train.build_embedded_model = build
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    rlcore.train.embedded_model_dir(load_config(None, []), rank, 2)
+    dist.destroy_process_group()
+
+
+def test_rank_0_builds_the_embedded_model_while_the_others_wait(tmp_path):
+    """Without the wait every rank built it at once, and the first to finish removed the others'
+    build files under them: the first torchrun of the default failed."""
+    mp.spawn(_embedded_dir_on_rank, args=(str(tmp_path / "init"), str(tmp_path), str(tmp_path / "cache")), nprocs=2)
+    assert [(tmp_path / f"{rank}.txt").read_text() for rank in (0, 1)] == ["built", "cached"]

@@ -727,6 +727,34 @@ def torchrun(tmp_path, *args):
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
+def _evaluate_on_rank(rank, init_file, out_dir, model_dir):
+    """`evaluate` on one of 2 gloo ranks, with an accuracy function that scores by prompt (the
+    prompts ending in an even number) and records the prompts it was given."""
+    import torch.distributed as dist
+
+    from rlcore.train import evaluate
+
+    def accuracy(prompts, completions, **columns):
+        (Path(out_dir) / f"seen{rank}.json").write_text(json.dumps(prompts))
+        return [1.0 if int(p.rstrip("=")[-1]) % 2 == 0 else 0.0 for p in prompts]
+
+    tok = Tokenizer.from_dir(model_dir)
+    examples = [{"prompt": f"{i}+{i}=", "prompt_ids": tok.encode(f"{i}+{i}=")} for i in range(11)]
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    got = evaluate(load_model(model_dir), tok, examples, accuracy, 4, rank=rank, world=2)
+    (Path(out_dir) / f"accuracy{rank}.json").write_text(json.dumps(got))
+    dist.destroy_process_group()
+
+
+def test_two_ranks_evaluate_half_the_prompts_each_and_report_the_whole(tmp_path, embedded_dir):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_evaluate_on_rank, args=(str(tmp_path / "init"), str(tmp_path), str(embedded_dir)), nprocs=2)
+    seen = [json.loads((tmp_path / f"seen{rank}.json").read_text()) for rank in (0, 1)]
+    assert sorted(seen[0] + seen[1]) == sorted(f"{i}+{i}=" for i in range(11)) and len(seen[0]) == 6
+    assert [json.loads((tmp_path / f"accuracy{rank}.json").read_text()) for rank in (0, 1)] == [6 / 11] * 2
+
+
 def test_two_ranks_train_one_run_in_sync_and_resume(tmp_path):
     """torchrun with 2 gloo ranks: 6 completions per rank, so a group of 4 straddles the ranks.
     Replica checksums are compared at every checkpoint (a mismatch raises); rank 0 alone writes."""
