@@ -142,7 +142,7 @@ def run_trl(d: Path, steps: int, grad_ckpt: bool, bf16: bool, glibc_malloc: bool
 
         reuse_freed_memory()
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+    from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     class StepClock(TrainerCallback):
@@ -323,7 +323,7 @@ def main() -> None:
             print(f"rlcore: {r['sec_per_step']:.2f} s/step wall clock (steps: {steps_text(r['per_step'])}; "
                   f"the first includes model load), mean completion length {r['completion_len_mean']:.1f}, "
                   f"load average {r['load'][0]:.1f} -> {r['load'][1]:.1f}", flush=True)
-            print(f"rlcore phases (s/step): " + ", ".join(f"{p.split('/')[1]} {v:.2f}"
+            print("rlcore phases (s/step): " + ", ".join(f"{p.split('/')[1]} {v:.2f}"
                   for p, v in r["phases"].items()) + f"; sum {r['phase_sum']:.2f} "
                   f"(steps: {steps_text(r['per_step_phases'])})", flush=True)
     for name, r in res.items():

@@ -243,6 +243,9 @@ class Config:
             kwargs = {}
             for key, value in values.items():
                 if name == "train" and key == "warmup_steps" and isinstance(value, float) and 0 < value < 1:
+                    if "warmup_ratio" in values:
+                        raise ConfigError(f"train.warmup_steps = {value} (a ratio, as transformers 5 writes one) "
+                                          f"and train.warmup_ratio = {values['warmup_ratio']} are both set; keep one")
                     key = "warmup_ratio"  # transformers 5 writes a warmup ratio as a fraction in warmup_steps
                 if key not in hints:
                     trl = trl_options.explain(key, value)

@@ -283,6 +283,9 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
     metrics_file = run / "metrics.jsonl"
     if ck:
         st = load_trainer_state(ck)
+        if len(st["optimizer"]["param_groups"]) != len(opt.param_groups):  # one group before weight decay
+            raise ValueError(f"{ck} was saved by an earlier rlcore (its optimizer state has one parameter "
+                             "group, decayed or not); resume it with the rlcore version that wrote it")
         opt.load_state_dict(st["optimizer"])
         sched.load_state_dict(st["scheduler"])
         # The saved rate came from the saved run's schedule; a resume with a larger max_steps

@@ -1,7 +1,6 @@
 """Checkpoints in and out: HF layout, sharding, round trip through transformers, clear errors."""
 
 import json
-import shutil
 import warnings
 
 import pytest

@@ -177,6 +177,7 @@ def test_a_trl_config_loads_and_says_what_it_ignores(tmp_path):
     ("loss_type = 'cispo'", r"loss_type = 'cispo' is TRL's name for loss\.policy_loss = 'cispo' with loss\.loss_type = 'dapo'"),
     ("loss_type = 'sapo'", r"loss\.policy_loss = 'sapo' with loss\.loss_type = 'grpo'"),
     ("max_steps = -1", r"max_steps = -1 must be >= 1 \(rlcore counts optimizer steps"),
+    ("warmup_steps = 0.1\nwarmup_ratio = 0.2", r"warmup_steps = 0\.1 \(a ratio.*warmup_ratio = 0\.2 are both set"),
 ])
 def test_a_trl_option_rlcore_cannot_honour_is_an_error_naming_what_to_set(line, fix, tmp_path):
     with pytest.raises(ConfigError, match=fix):

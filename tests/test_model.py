@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from conftest import FAMILIES, LLAMA3_ROPE, make_hf_model
+from conftest import FAMILIES, LLAMA3_ROPE
 from rlcore.checkpoint import CheckpointError, load_model
-from rlcore.model import KVCache, ModelConfig, Transformer, padded_causal_mask, rope_inv_freq
+from rlcore.model import KVCache, ModelConfig, padded_causal_mask, rope_inv_freq
 
 TOL = 1e-4
 

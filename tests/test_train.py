@@ -701,6 +701,20 @@ def test_cli_resume_from_a_damaged_trainer_state_names_it_and_the_way_back(tmp_p
     assert [r["step"] for r in rows(run)] == [1, 2, 3]
 
 
+def test_cli_resume_of_a_checkpoint_with_one_optimizer_group_names_it(tmp_path, capsys):
+    # Written before weight decay skipped biases and norm weights: torch's own error names no file.
+    run = tmp_path / "run"
+    assert main(cli_args(run, "train.max_steps=1")) == 0
+    file = run / "checkpoint-1" / "trainer_state.pt"
+    state = torch.load(file, weights_only=False)
+    groups = state["optimizer"]["param_groups"]
+    groups[0]["params"] += groups.pop(1)["params"]
+    torch.save(state, file)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--set", "train.max_steps=2"]) == 1
+    assert f"{run / 'checkpoint-1'} was saved by an earlier rlcore" in capsys.readouterr().err
+
+
 def test_rollout_seed_alone_changes_the_samples(tmp_path):
     """rollout.seed drives sampling, train.seed the micro-batch order: they are separate."""
     a, b, c = (tmp_path / n for n in "abc")
