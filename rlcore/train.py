@@ -38,6 +38,7 @@ from rlcore.losses.metrics import rollout_mismatch
 from rlcore.losses.policy import mask_truncated, policy_loss, tis_weights
 from rlcore.rewards import RewardState, dataset_columns, get_reward_funcs, reward_inputs
 from rlcore.rollout import generate
+from rlcore.runlog import drop_rows_after, log_completions, log_line, record_eval, reduce_metrics
 from rlcore.sft import SharedPrompts, completion_logprobs, pack
 from rlcore.tasks import TASK_REWARD, unique_problems
 from rlcore.tokenizer import Tokenizer, check_vocab_fits
@@ -151,73 +152,10 @@ def evaluate(model, tok: Tokenizer, examples: list[dict], accuracy_fn, max_new_t
     return distributed.sum_over_ranks([correct], world, device)[0] / max(1, len(examples))
 
 
-def record_eval(run: Path, step: int, accuracy: float) -> None:
-    """Append held-out accuracy at `step` to run/eval.jsonl (step 0 = before training)."""
-    with open(run / "eval.jsonl", "a") as f:
-        f.write(json.dumps({"step": step, "eval/accuracy": accuracy}) + "\n")
-    print(f"step {step}: held-out accuracy {accuracy:.3f}", flush=True)
-
-
-def drop_rows_after(file: Path, step: int) -> None:
-    """Keep the JSON lines of `file` whose "step" is at most `step` (a resume drops later ones)."""
-    if file.exists():
-        keep = [ln for ln in file.read_text().splitlines() if json.loads(ln)["step"] <= step]
-        file.write_text("".join(ln + "\n" for ln in keep))
-
-
-def log_completions(run: Path, step: int, texts: list, R: torch.Tensor, adv: torch.Tensor,
-                    lengths: torch.Tensor, names: list[str], show: int | None) -> None:
-    """Append a round's completions, all ranks' in order, to run/completions.jsonl with their
-    rewards `R` `[N, F]` (None where unscored), advantage `[N]`, length `[N]` and the columns
-    reward functions gave `log_extra`; print the first `show` of them (None: all), as TRL's
-    log_completions does. `texts` holds each rank's (prompts, completions, extra columns)."""
-    rows = [{"prompt": p, "completion": c, **{k: v[i] for k, v in extra.items()}}
-            for prompts, completions, extra in texts for i, (p, c) in enumerate(zip(prompts, completions))]
-    records = [{"step": step, **row, "rewards": {n: None if math.isnan(x) else x for n, x in zip(names, r)},
-                "advantage": a, "length": n}
-               for row, r, a, n in zip(rows, R.tolist(), adv.tolist(), lengths.tolist())]
-    with open(run / "completions.jsonl", "a") as f:
-        f.writelines(json.dumps(rec, default=str) + "\n" for rec in records)
-    for i, rec in enumerate(records[:show]):
-        scores = ", ".join(f"{n} {x:.3g}" if x is not None else f"{n} None" for n, x in rec["rewards"].items())
-        print(f"  completion {i + 1}/{len(records)}: {scores}, advantage {rec['advantage']:+.3f}\n"
-              f"    prompt: {str(rec['prompt'])[-200:]!r}\n    completion: {str(rec['completion'])[:300]!r}", flush=True)
-
-
 def decode_completions(tok: Tokenizer, ro) -> list[str]:
     """Text of each completion, for the reward functions only (training uses the token ids)."""
     return [tok.decode(ids[:n].tolist(), skip_special_tokens=True)
             for ids, n in zip(ro.completion_ids, ro.lengths.tolist())]
-
-
-def reduce_metrics(parts: list[dict], world: int = 1, device: torch.device | None = None) -> dict:
-    """Metric dicts of micro-batches (each with `tokens`, the active tokens it averaged over),
-    combined over this rank's parts and all ranks as if computed over all their tokens at once.
-
-    `loss` is summed over the parts (the step's gradient is that of the sum) and averaged over
-    ranks (as the gradients are); `tokens` is summed; keys ending in `_max` take the maximum.
-    Every other entry is a mean over active tokens, so it is weighted by them (an unweighted
-    mean would let a micro-batch of short completions count as much as one of long ones).
-    One all-reduce of the sums and one of the maxima, whatever the number of keys.
-    """
-    means = [k for k in parts[0] if k not in ("loss", "tokens") and not k.endswith("_max")]
-    maxes = [k for k in parts[0] if k.endswith("_max")]
-    sums = [sum(d.get("loss", 0.0) for d in parts), sum(d["tokens"] for d in parts)]
-    sums = distributed.sum_over_ranks(sums + [sum(d[k] * d["tokens"] for d in parts) for k in means], world, device)
-    peaks = distributed.max_over_ranks([max(d[k] for d in parts) for k in maxes], world, device)
-    out = {"loss": sums[0] / world} if "loss" in parts[0] else {}
-    out["tokens"] = sums[1]
-    out.update({k: s / max(sums[1], 1) for k, s in zip(means, sums[2:])})
-    out.update(zip(maxes, peaks))
-    return out
-
-
-def log_line(step: int, max_steps: int, m: dict) -> str:
-    clip = f"clip {m['clip_ratio/region']:.3f}  " if "clip_ratio/region" in m else ""  # ppo only
-    return (f"step {step:>4}/{max_steps}  reward {m['reward/mean']:.3f}  acc {m['reward/accuracy']:.3f}  "
-            f"kl {m['kl_old/k3']:.4f}  {clip}len {m['completion/len_mean']:.1f}  "
-            f"gen {m['tokens_per_s/rollout']:.0f} tok/s  time rollout {m['time/rollout']:.1f}s "
-            f"score {m['time/scoring']:.2f}s update {m['time/update']:.1f}s")
 
 
 # ----------------------------------------------------------------------------- the loop

@@ -29,7 +29,8 @@ from rlcore.tasks import unique_problems
 from rlcore.tokenizer import Tokenizer
 from rlcore.losses.policy import policy_loss
 from rlcore.checkpoint import latest_checkpoint, load_model
-from rlcore.train import reduce_metrics, train
+from rlcore.runlog import reduce_metrics
+from rlcore.train import train
 
 SEED, NUM_EVAL = 0, 16
 SMALL = ["train.device=cpu", f"data.seed={SEED}", f"data.num_eval={NUM_EVAL}", "data.num_train=256",
