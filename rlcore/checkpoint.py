@@ -263,7 +263,7 @@ def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep
         os.fsync(f.fileno())
     os.replace(run / "latest.tmp", run / "latest")
     old = sorted((p for p in run.glob("checkpoint-*") if p != final), key=lambda p: int(p.name.split("-")[1]))
-    for p in old[:len(old) - keep + 1] if keep is not None else []:
+    for p in old[:max(0, len(old) - keep + 1)] if keep is not None else []:
         shutil.rmtree(p, ignore_errors=True)
     return final
 

@@ -247,6 +247,11 @@ class Config:
                         raise ConfigError(f"train.warmup_steps = {value} (a ratio, as transformers 5 writes one) "
                                           f"and train.warmup_ratio = {values['warmup_ratio']} are both set; keep one")
                     key = "warmup_ratio"  # transformers 5 writes a warmup ratio as a fraction in warmup_steps
+                if FLAT_ALIASES.get(key, (None,))[0] == name:  # a TRL name inside its section
+                    key = FLAT_ALIASES[key][1]
+                if key in kwargs and kwargs[key] != value:
+                    raise ConfigError(f"{name}.{key} is set twice, to {kwargs[key]!r} and {value!r} (one of them "
+                                      f"under another name TRL uses for it); keep one")
                 if key not in hints:
                     trl = trl_options.explain(key, value)
                     if trl is None:
@@ -269,11 +274,14 @@ def config_to_dict(config: Config) -> dict:
 
 
 def dump_config(config: Config) -> str:
-    """The config as TOML text that `load_config` reads back to an equal config (None is left out)."""
+    """The config as TOML text that `load_config` reads back to an equal config (None is left out
+    where it is the default, and written "none" where it is not)."""
     lines = []
     for name, values in config_to_dict(config).items():
         lines.append(f"[{name}]")
-        lines += [f"{key} = {_toml_value(v)}" for key, v in values.items() if v is not None]
+        defaults = {f.name: f.default for f in dataclasses.fields(SECTIONS[name])}
+        lines += [f"{key} = {_toml_value(v)}" if v is not None else f'{key} = "none"'
+                  for key, v in values.items() if v is not None or defaults[key] is not None]
         lines.append("")
     return "\n".join(lines)
 
@@ -374,7 +382,7 @@ def normalize(d: dict) -> dict:
             flat[key] = value
     for key, value in flat.items():
         section, name = _flat_target(key)
-        if name in out.get(section, {}):
+        if name in out.get(section, {}) and out[section][name] != value:  # equal: transformers 5 mirrors some
             raise ConfigError(f"config key {key} is set twice: flat ({key} = {value!r}) and in "
                               f"[{section}] ({name} = {out[section][name]!r}); keep one")
         out.setdefault(section, {})[name] = value

@@ -53,18 +53,36 @@ def record_eval(run: Path, step: int, accuracy: float) -> None:
 
 
 def drop_rows_after(file: Path, step: int) -> None:
-    """Keep the JSON lines of `file` whose "step" is at most `step` (a resume drops later ones)."""
+    """Keep the JSON lines of `file` whose "step" is at most `step` (a resume drops later ones,
+    and a line a crash cut short)."""
     if file.exists():
-        keep = [ln for ln in file.read_text().splitlines() if json.loads(ln)["step"] <= step]
+        keep = [ln for ln in file.read_text().splitlines() if _step(ln) <= step]
         file.write_text("".join(ln + "\n" for ln in keep))
+
+
+def _step(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 def log_completions(run: Path, step: int, texts: list, R: torch.Tensor, adv: torch.Tensor,
                     lengths: torch.Tensor, names: list[str], show: int | None) -> None:
     """Append a round's completions, all ranks' in order, to run/completions.jsonl with their
     rewards `R` `[N, F]` (None where unscored), advantage `[N]`, length `[N]` and the columns
-    reward functions gave `log_extra`; print the first `show` of them (None: all), as TRL's
-    log_completions does. `texts` holds each rank's (prompts, completions, extra columns)."""
+    reward functions gave `log_extra` (one value per completion); print `show` of them spread
+    over the round (None: all), as TRL's log_completions does. `texts` holds each rank's
+    (prompts, completions, extra columns)."""
+    own = ("step", "prompt", "completion", "rewards", "advantage", "length")
+    for prompts, _, extra in texts:
+        for column, values in extra.items():
+            if column in own:
+                raise ValueError(f"log_extra column {column!r} is one of completions.jsonl's own fields "
+                                 f"({', '.join(own)}); give it another name")
+            if len(values) != len(prompts):
+                raise ValueError(f"log_extra column {column!r} got {len(values)} values for {len(prompts)} "
+                                 f"completions; log one value per completion")
     rows = [{"prompt": p, "completion": c, **{k: v[i] for k, v in extra.items()}}
             for prompts, completions, extra in texts for i, (p, c) in enumerate(zip(prompts, completions))]
     records = [{"step": step, **row, "rewards": {n: None if math.isnan(x) else x for n, x in zip(names, r)},
@@ -72,7 +90,9 @@ def log_completions(run: Path, step: int, texts: list, R: torch.Tensor, adv: tor
                for row, r, a, n in zip(rows, R.tolist(), adv.tolist(), lengths.tolist())]
     with open(run / "completions.jsonl", "a") as f:
         f.writelines(json.dumps(rec, default=str) + "\n" for rec in records)
-    for i, rec in enumerate(records[:show]):
+    stride = 1 if show is None else max(1, len(records) // max(show, 1))  # across groups, not one
+    for i in range(0, len(records), stride)[:show]:
+        rec = records[i]
         scores = ", ".join(f"{n} {x:.3g}" if x is not None else f"{n} None" for n, x in rec["rewards"].items())
         print(f"  completion {i + 1}/{len(records)}: {scores}, advantage {rec['advantage']:+.3f}\n"
               f"    prompt: {str(rec['prompt'])[-200:]!r}\n    completion: {str(rec['completion'])[:300]!r}", flush=True)

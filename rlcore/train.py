@@ -249,6 +249,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
         if main:
             metrics_file.write_text("")
             (run / "eval.jsonl").write_text("")
+            (run / "completions.jsonl").unlink(missing_ok=True)  # a crashed attempt's, before any checkpoint
             record_eval(run, 0, before)
 
     while step < t.max_steps:
@@ -274,7 +275,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
         trl_kwargs = {"completion_ids": completion_ids,
                       "trainer_state": RewardState(step, t.max_steps),
                       "log_metric": lambda name, value: logged[name].append(float(value)),
-                      "log_extra": lambda column, values: extra.__setitem__(column, list(values))}
+                      "log_extra": lambda column, values: extra.setdefault(column, []).extend(values)}
         R = score_completions(reward_funcs, prompts, completions, values, lc.reward_on_error, trl_kwargs)
         logged = distributed.concat_over_ranks(logged, world)  # every rank's log_metric values
         R = distributed.gather_rows(R.to(device), world)

@@ -99,5 +99,6 @@ def explain(key: str, value) -> tuple[bool, str] | None:
         return None
     if harmless is ANY or any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in harmless):
         return True, f"TRL's {key} = {value!r} is ignored: {why}"
-    keep = "" if harmless in ((), (None,)) else f" or set it to {' or '.join(map(repr, harmless))}"
+    settable = [v for v in harmless if v not in (None, "")]  # what TOML and --set can write
+    keep = f" or set it to {' or '.join(map(repr, settable))}" if settable else ""
     return False, f"TRL's {key} = {value!r} is not an rlcore option: {why}; leave it out{keep}"

@@ -184,6 +184,15 @@ def test_a_trl_option_rlcore_cannot_honour_is_an_error_naming_what_to_set(line, 
         load_config(write(tmp_path, line + "\n"), [])
 
 
+def test_transformers_5_mirrored_checkpointing_keys_load_and_a_conflict_is_named(tmp_path):
+    """transformers 5 writes gradient_checkpointing and activation_checkpointing with one value."""
+    both = "gradient_checkpointing = true\nactivation_checkpointing = true\n"
+    assert load_config(write(tmp_path, both), []).train.gradient_checkpointing
+    assert load_config(write(tmp_path, "[train]\n" + both), []).train.gradient_checkpointing
+    with pytest.raises(ConfigError, match=r"train\.gradient_checkpointing is set twice, to True and False"):
+        load_config(write(tmp_path, "[train]\ngradient_checkpointing = true\nactivation_checkpointing = false\n"), [])
+
+
 def test_trl_options_work_from_the_command_line_too():
     with pytest.warns(UserWarning, match="TRL's report_to = 'wandb' is ignored"):
         assert load_config(None, ["report_to=wandb", "activation_checkpointing=true"]).train.gradient_checkpointing
@@ -218,7 +227,8 @@ def test_dict_round_trip():
 def test_dump_config_reads_back_equal(tmp_path):
     c = load_config(None, ["loss.beta=0.04", 'data.system_prompt=say "hi"\\n', "loss.reward_weights=[1, 0.5]",
                            'loss.reward_funcs=["accuracy", "format"]',
-                           'data.chat_template_kwargs={enable_thinking=false, "a key"="x", n=2}'])
+                           'data.chat_template_kwargs={enable_thinking=false, "a key"="x", n=2}',
+                           "train.save_total_limit=none"])  # None where the default is not
     assert c.data.chat_template_kwargs == {"enable_thinking": False, "a key": "x", "n": 2}
     assert load_config(write(tmp_path, dump_config(c)), []) == c
 

@@ -262,8 +262,11 @@ def test_beta_trains_against_the_initial_policy_and_logs_kl_ref(correction, tmp_
 
 
 def extra_and_metric(prompts, completions, log_extra, log_metric, **columns):
-    """A TRL-style reward that logs a column and, once per completion, a metric; it scores 0.5."""
+    """A TRL-style reward that logs a column at once, another one completion at a time (TRL
+    appends), and a metric once per completion; it scores 0.5."""
     log_extra("starts_with", [c[:1] for c in completions])
+    for c in completions:
+        log_extra("length_chars", [len(c)])
     for score in first_digit(prompts, completions):
         log_metric("custom/first_digit", score)
     return [0.5] * len(completions)
@@ -286,14 +289,45 @@ def test_log_completions_writes_every_completion_with_its_rewards_and_advantage(
     for r in got:  # the scores, recomputed from the logged text
         assert r["rewards"] == pytest.approx({f"{__name__}:first_digit": first_digit([r["prompt"]], [r["completion"]])[0],
                                               f"{__name__}:extra_and_metric": 0.5}, rel=1e-6)  # fp32
-        assert r["starts_with"] == r["completion"][:1] and 1 <= r["length"] <= 512
+        assert r["starts_with"] == r["completion"][:1] and r["length_chars"] == len(r["completion"])
+        assert 1 <= r["length"] <= 512
     for k in range(0, 32, 4):  # advantages: (r - group mean) / (group std + 1e-4), weights 1
         total = torch.tensor([sum(r["rewards"].values()) for r in got[k:k + 4]], dtype=torch.float64)
         want = (total - total.mean()) / (total.std() + 1e-4)
         assert [r["advantage"] for r in got[k:k + 4]] == pytest.approx(want.tolist(), abs=1e-5)
     out = capsys.readouterr().out
-    assert "completion 2/16:" in out and "completion 3/16:" not in out
+    assert "completion 1/16:" in out and "completion 9/16:" in out and out.count("  completion ") == 2 * 2
     assert logged_metric_is_the_mean_over_the_round(run, 16)
+
+
+@pytest.mark.parametrize("column, values, error", [
+    ("score", [1.0], r"log_extra column 'score' got 1 values for 2 completions; log one value per completion"),
+    ("step", [1, 2], r"log_extra column 'step' is one of completions.jsonl's own fields"),
+])
+def test_log_completions_refuses_a_log_extra_column_it_cannot_write(column, values, error, tmp_path):
+    from rlcore.runlog import log_completions
+
+    texts = [(["1+1=", "1+1="], ["2", "3"], {column: values})]
+    with pytest.raises(ValueError, match=error):
+        log_completions(tmp_path, 1, texts, torch.ones(2, 1), torch.zeros(2), torch.ones(2), ["r"], None)
+
+
+def test_a_resume_drops_rows_after_the_checkpoint_and_a_line_cut_short(tmp_path):
+    from rlcore.runlog import drop_rows_after
+
+    file = tmp_path / "completions.jsonl"
+    file.write_text('{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n{"step": 3, "x": 3}\n{"step": 3, "comp')
+    drop_rows_after(file, 2)
+    assert file.read_text() == '{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n'
+
+
+def test_a_fresh_run_does_not_append_to_a_crashed_attempts_completions(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "completions.jsonl").write_text('{"step": 1, "prompt": "from the attempt that crashed"}\n')
+    train(config(run, "train.max_steps=1", "train.log_completions=true", "train.num_completions_to_print=0"))
+    got = [json.loads(ln) for ln in (run / "completions.jsonl").read_text().splitlines()]
+    assert len(got) == 16 and all(r["prompt"] != "from the attempt that crashed" for r in got)
 
 
 def test_max_grad_norm_zero_means_no_clipping(tmp_path, embedded_dir):
@@ -331,7 +365,7 @@ def test_gradient_checkpointing_trains_to_the_same_weights(tmp_path, monkeypatch
     assert [strip(r) for r in rows(tmp_path / "plain")] == [strip(r) for r in rows(tmp_path / "recompute")]
 
 
-@pytest.mark.parametrize("limit, kept", [("1", [3]), ("2", [2, 3]), ("none", [1, 2, 3])])
+@pytest.mark.parametrize("limit, kept", [("1", [3]), ("2", [2, 3]), ("4", [1, 2, 3]), ("none", [1, 2, 3])])
 def test_save_total_limit_keeps_the_newest_checkpoints(limit, kept, tmp_path):
     run = tmp_path / "run"
     train(config(run, "train.max_steps=3", "train.save_steps=1", f"train.save_total_limit={limit}"))
