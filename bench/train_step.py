@@ -125,6 +125,14 @@ def read_prompts(d: Path) -> list[str]:
         return [json.loads(line)["prompt"] for line in f]
 
 
+def peak_rss_gb() -> float:
+    """Peak resident memory of this process (Linux reports KiB). Both sides keep freed memory
+    (the allocator setting), so the peak is the largest the process needed at once."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def after_warmup(times: list[float]) -> float:
     """Mean of the per-step times with the first (warm-up) step dropped."""
     rest = times[1:] or times
@@ -195,7 +203,7 @@ def run_trl(d: Path, steps: int, grad_ckpt: bool, bf16: bool, glibc_malloc: bool
               "update": after_warmup([s - r for s, r in zip(per_step, round_)])}
     return {"per_step": per_step, "sec_per_step": after_warmup(per_step), "wall": wall, "phases": phases,
             "train_runtime": result.metrics.get("train_runtime"), "completion_len_mean": sum(lens) / max(len(lens), 1),
-            "gradient_checkpointing": grad_ckpt, "threads": torch.get_num_threads()}
+            "gradient_checkpointing": grad_ckpt, "threads": torch.get_num_threads(), "peak_rss_gb": peak_rss_gb()}
 
 
 # ----------------------------------------------------------------------------- rlcore
@@ -244,7 +252,7 @@ def run_rlcore(d: Path, steps: int, grad_ckpt: bool, bf16: bool) -> dict:
             "per_step_phases": per_step_phases, "phase_sum": after_warmup(per_step_phases),
             "completion_len_mean": sum(r["completion/len_mean"] for r in rows) / len(rows),
             "phases": {p: after_warmup([r[p] for r in rows]) for p in phases},
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "peak_rss_gb": peak_rss_gb()}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -315,13 +323,14 @@ def main() -> None:
                   f"gradient_checkpointing={r['gradient_checkpointing']}, "
                   f"malloc {'glibc defaults' if a.trl_glibc_malloc else 'as rlcore'}, "
                   f"train_runtime {r['train_runtime']:.1f} s, "
-                  f"mean completion length {r['completion_len_mean']:.1f}, "
+                  f"mean completion length {r['completion_len_mean']:.1f}, peak RSS {r['peak_rss_gb']:.2f} GiB, "
                   f"load average {r['load'][0]:.1f} -> {r['load'][1]:.1f}", flush=True)
             print("trl phases (s/step): " + ", ".join(f"{p} {v:.2f}" for p, v in r["phases"].items()), flush=True)
         if a.side in ("both", "rlcore"):
             r = res["rlcore"] = side("rlcore", d, a.rlcore_steps, a.grad_ckpt, a.threads, a.bf16)
             print(f"rlcore: {r['sec_per_step']:.2f} s/step wall clock (steps: {steps_text(r['per_step'])}; "
                   f"the first includes model load), mean completion length {r['completion_len_mean']:.1f}, "
+                  f"peak RSS {r['peak_rss_gb']:.2f} GiB, "
                   f"load average {r['load'][0]:.1f} -> {r['load'][1]:.1f}", flush=True)
             print("rlcore phases (s/step): " + ", ".join(f"{p.split('/')[1]} {v:.2f}"
                   for p, v in r["phases"].items()) + f"; sum {r['phase_sum']:.2f} "
