@@ -20,8 +20,19 @@ Where each piece comes from:
 - chat template: chat_template.jinja, else tokenizer_config.json["chat_template"] (a string, or
   a list of {"name", "template"} of which "default" is used).
 
-decode returns what `tokenizers` decodes. transformers v5 applies clean_up_tokenization_spaces
-only to non-BPE (WordPiece) models, which no model family here uses.
+- special tokens: those tokenizer.json flags, plus, as in transformers, every named one (eos,
+  pad, ...) and every one tokenizer_config.json's added_tokens_decoder marks special, so
+  decode(skip_special_tokens=True), the text reward functions get, drops them.
+
+decode returns what `tokenizers` decodes. Known differences from transformers 5, none on the
+Llama 3 / Qwen2 / Qwen3 layouts the tests cover:
+- clean_up_tokenization_spaces is not applied; transformers applies it to non-BPE (Unigram,
+  WordPiece) models only.
+- tokenizer.json runs as saved. For a Llama 2 tokenizer (tokenizer_class LlamaTokenizer) with the
+  older normalizer layout, transformers 5 rebuilds the pre-tokenizer from `legacy` and
+  `add_prefix_space` and its ids differ; rlcore's are SentencePiece's (and transformers 4's).
+- a missing bos/eos/pad/unk token is not filled from the tokenizer class's defaults, and a
+  "tool_use" chat template is never picked.
 """
 
 import json
@@ -182,6 +193,15 @@ class Tokenizer:
             entries.update(read_json(path / "special_tokens_map.json"))
         special_tokens = {key: token_content(value) for key, value in entries.items()
                           if key.endswith("_token") and isinstance(token_content(value), str)}
+        # transformers makes every named special token (eos, pad, ...) and every token that
+        # tokenizer_config.json's added_tokens_decoder marks special a special token, whatever
+        # tokenizer.json says (an EOS a fine-tune added with add_tokens, or a plain vocabulary
+        # entry): decode(skip_special_tokens=True), the text reward functions see, then drops it
+        flagged = [token_content(v) for v in config.get("added_tokens_decoder", {}).values()
+                   if isinstance(v, dict) and v.get("special")]
+        backend.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
+                                    for t in dict.fromkeys([*special_tokens.values(), *flagged])
+                                    if isinstance(t, str) and backend.token_to_id(t) is not None])
         # split_special_tokens: special-token text in the input is encoded as plain text, as in transformers
         backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
 
@@ -210,6 +230,17 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; add_special_tokens runs tokenizer.json's post-processor (e.g. Llama 3's BOS)."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def stop_ids(self, text: str) -> list[list[int]]:
+        """Token-id sequences that spell `text` inside a completion: its encoding on its own and,
+        where different, its encoding after another character. A SentencePiece tokenizer (Llama
+        2) puts "▁" before the start of a text, which `text` lacks mid-completion; a rollout stop
+        string matches either."""
+        plain = self.encode(text, add_special_tokens=False)
+        head = self.encode("x", add_special_tokens=False)
+        after = self.encode("x" + text, add_special_tokens=False)
+        inside = after[len(head):] if after[:len(head)] == head else []
+        return [plain] if inside in ([], plain) else [plain, inside]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids` (a list or a 1-D tensor)."""

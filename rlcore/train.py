@@ -263,7 +263,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
         ro = generate(model, [ex["prompt_ids"] for ex in rows], 1, rc.max_completion_length,
                       eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id,
                       temperature=rc.temperature, top_k=rc.top_k, top_p=rc.top_p, min_p=rc.min_p,
-                      stop_sequences=[tok.encode(s, add_special_tokens=False) for s in rc.stop], generator=sampler,
+                      stop_sequences=[ids for s in rc.stop for ids in tok.stop_ids(s)], generator=sampler,
                       dtype=torch.bfloat16 if amp else None)
         t_rollout = time.time() - t0
 

@@ -127,7 +127,71 @@ def load_both(path: Path) -> tuple[Tokenizer, "transformers.PreTrainedTokenizerB
     return Tokenizer.from_dir(path), transformers.AutoTokenizer.from_pretrained(path)
 
 
+def sentencepiece_backend() -> RustTokenizer:
+    """Llama 2's layout: a BPE over "▁"-prefixed pieces with byte fallback, "▁" put before the
+    text by the normalizer (tokenizers' conversion of a SentencePiece model), BOS by the
+    post-processor."""
+    trained = RustTokenizer(models.BPE(unk_token="<unk>"))
+    trained.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    trained.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    model = json.loads(trained.to_str())["model"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in sorted(model["vocab"], key=model["vocab"].get):
+        vocab.setdefault(piece, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    backend = RustTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = trained.normalizer
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    backend.add_special_tokens(["<unk>", "<s>", "</s>"])
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return backend
+
+
+@pytest.mark.parametrize("layout", ["sentencepiece", "byte_level"])
+def test_stop_strings_match_where_a_completion_spells_them(tmp_path, layout):
+    """A rollout stop string is matched on token ids. SentencePiece encodes a text on its own with
+    "▁" before it, which the same text inside a completion lacks: `stop_ids` also gives the
+    encoding it has there. (Before, no stop string ever matched on a Llama 2 tokenizer.)"""
+    if layout == "sentencepiece":
+        path, prompt = save_checkpoint(tmp_path, sentencepiece_backend(), bos_token="<s>", eos_token="</s>"), "hi"
+    else:
+        path, prompt = qwen_checkpoint(tmp_path), "<|im_start|>assistant\n"
+    tok = Tokenizer.from_dir(path)
+    completion = "Let me think step by step. The answer is 4.\n\nQuestion: what is two plus two? <answer>4</answer>"
+    ids = tok.encode(prompt + completion, add_special_tokens=False)[len(tok.encode(prompt, add_special_tokens=False)):]
+    assert tok.decode(ids) == completion if layout == "byte_level" else completion in tok.decode(ids)
+    for stop in ["\n\n", "</answer>", "Question:", "."]:
+        assert any(ids[i:i + len(s)] == s for s in tok.stop_ids(stop) for i in range(len(ids))), stop
+        assert tok.stop_ids(stop)[0] == tok.encode(stop, add_special_tokens=False)
+
+
 # ---- text <-> ids ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["eos_added_not_special", "special_in_tokenizer_config"])
+def test_tokens_transformers_treats_as_special_are_dropped_from_decoded_text(tmp_path, case):
+    """transformers makes every named special token, and every token tokenizer_config.json's
+    added_tokens_decoder marks special, special, whatever tokenizer.json says. Otherwise the
+    completion text reward functions get would keep the EOS (a format reward then scores 0)."""
+    from tokenizers import AddedToken
+
+    backend = train_bpe(QWEN_SPECIALS)
+    eos = "<|im_end|>"
+    if case == "eos_added_not_special":
+        backend.add_tokens([AddedToken("<|eot|>", special=False, normalized=False)])
+        eos = "<|eot|>"
+    else:
+        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
+    path = save_checkpoint(tmp_path, backend, eos_token=eos, pad_token="<|endoftext|>")
+    if case == "special_in_tokenizer_config":  # as transformers 4 saved it: <think> special there only
+        edit_json(path / "tokenizer_config.json", added_tokens_decoder={
+            str(i): {"content": t.content, "special": True} for i, t in backend.get_added_tokens_decoder().items()})
+    ours, ref = load_both(path)
+    ids = ref.encode("<think>ok</think> The answer is 4.", add_special_tokens=False) + [ref.convert_tokens_to_ids(eos)]
+    assert ours.eos_token_id == ids[-1]
+    assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+    assert ours.decode(ids, skip_special_tokens=True).endswith("answer is 4.")
+
 
 @pytest.mark.parametrize("family", CHECKPOINTS)
 @pytest.mark.parametrize("add_special_tokens", [True, False])

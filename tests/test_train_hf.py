@@ -118,7 +118,9 @@ def test_stop_strings_are_encoded_without_the_bos_a_llama_tokenizer_adds(gsm8k_f
         "data.num_eval=4", "data.use_chat_template=false", "rollout.num_generations=4",
         "rollout.max_completion_length=6", 'rollout.stop=["</answer>"]', "train.per_device_train_batch_size=8",
         "train.max_steps=1", "train.device=cpu", f"train.output_dir={tmp_path / 'run'}"]))
-    assert seen == [[tok.encode("</answer>", add_special_tokens=False)]]
+    (stops,) = seen
+    assert stops == tok.stop_ids("</answer>") and stops[0] == tok.encode("</answer>", add_special_tokens=False)
+    assert all(tok.bos_token_id not in ids for ids in stops)
 
 
 SEEN = {}
