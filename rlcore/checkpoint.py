@@ -253,8 +253,7 @@ def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep
     extra = {n: source / n for n in TOKENIZER_FILES if (source / n).is_file()}
     save_model(model, tmp / "model", extra_files=extra)
     torch.save(state, tmp / "trainer_state.pt")
-    with open(tmp / "trainer_state.pt", "rb") as f:
-        os.fsync(f.fileno())
+    fsync_dir(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
     with open(run / "latest.tmp", "w") as f:

@@ -422,14 +422,14 @@ def _field_names(cls) -> list[str]:
 def _suggest(key: str) -> str:
     """"; did you mean X?" for an unknown `key` ("section.name" or a flat name), or a pointer to the docs."""
     section, _, name = key.rpartition(".")
-    owners = [s for s, cls in SECTIONS.items() if name in _field_names(cls)]
+    owners = _owners(name)
     if not owners:
         if section in SECTIONS:
             close = difflib.get_close_matches(name, _field_names(SECTIONS[section]), n=1)
             owners = [section] if close else []
         else:
             close = difflib.get_close_matches(name, [n for c in SECTIONS.values() for n in _field_names(c)], n=1)
-            owners = [s for s, cls in SECTIONS.items() if close and close[0] in _field_names(cls)]
+            owners = _owners(close[0]) if close else []
         name = close[0] if close else name
     if not owners:
         return "; see the options table in the README (rlcore.config.options_table())"

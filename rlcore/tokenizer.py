@@ -19,7 +19,6 @@ Where each piece comes from:
   Padding is masked out of attention and loss, so the id only has to be a real row.
 - chat template: chat_template.jinja, else tokenizer_config.json["chat_template"] (a string, or
   a list of {"name", "template"} of which "default" is used).
-
 - special tokens: those tokenizer.json flags, plus, as in transformers, every named one (eos,
   pad, ...) and every one tokenizer_config.json's added_tokens_decoder marks special, so
   decode(skip_special_tokens=True), the text reward functions get, drops them.

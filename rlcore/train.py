@@ -202,6 +202,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
     reward_funcs = get_reward_funcs(lc.reward_funcs)
     columns = dataset_columns(train_set)  # passed to every reward call, None where a row lacks one
     accuracy_fn = get_reward_funcs([TASK_REWARD[cfg.data.task]])[0]
+    stop_sequences = [ids for s in rc.stop for ids in tok.stop_ids(s)]  # rollout.stop as token ids
 
     # Batch geometry (SPEC 1): one round = b*S*P completions = that / G prompts x G samples.
     G, b, GA, mu = rc.num_generations, t.per_device_train_batch_size, t.gradient_accumulation_steps, lc.num_iterations
@@ -263,7 +264,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
         ro = generate(model, [ex["prompt_ids"] for ex in rows], 1, rc.max_completion_length,
                       eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id,
                       temperature=rc.temperature, top_k=rc.top_k, top_p=rc.top_p, min_p=rc.min_p,
-                      stop_sequences=[ids for s in rc.stop for ids in tok.stop_ids(s)], generator=sampler,
+                      stop_sequences=stop_sequences, generator=sampler,
                       dtype=torch.bfloat16 if amp else None)
         t_rollout = time.time() - t0
 

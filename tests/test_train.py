@@ -27,9 +27,7 @@ from rlcore.data import DataError
 from rlcore.embedded import build_embedded_model
 from rlcore.tasks import unique_problems
 from rlcore.tokenizer import Tokenizer
-from rlcore.losses.policy import policy_loss
 from rlcore.checkpoint import latest_checkpoint, load_model
-from rlcore.runlog import reduce_metrics
 from rlcore.train import train
 
 SEED, NUM_EVAL = 0, 16
@@ -130,50 +128,6 @@ def test_on_policy_ratio_is_exactly_one(short_run):
     for r in rows(short_run):
         assert r["kl_old/k1"] == 0.0 and r["kl_old/k3"] == 0.0
         assert r["clip_ratio/low"] == r["clip_ratio/high"] == r["clip_ratio/region"] == 0.0
-
-
-def test_step_metrics_weight_micro_batches_by_active_tokens():
-    """Combining two micro-batches' diagnostics gives the diagnostics of the two as one batch."""
-    g = torch.Generator().manual_seed(0)
-    logp = -torch.rand(6, 5, generator=g, dtype=torch.float64)
-    old = logp + 0.3 * torch.randn(6, 5, generator=g, dtype=torch.float64)
-    adv = torch.randn(6, generator=g, dtype=torch.float64)
-    mask = torch.ones(6, 5, dtype=torch.float64)
-    mask[:2, 1:] = 0  # the first micro-batch holds far fewer active tokens than the second
-    kw = dict(loss="ppo", epsilon=0.2, epsilon_high=0.28)
-    micro = []
-    for rows in (slice(0, 3), slice(3, 6)):
-        _, m = policy_loss(logp[rows], old[rows], adv[rows], mask[rows], **kw)
-        micro.append({"loss": 0.1, **{k: float(v) for k, v in m.items()}})
-    _, whole = policy_loss(logp, old, adv, mask, **kw)
-    got = reduce_metrics(micro)
-    assert got["tokens"] == 22 and got["loss"] == pytest.approx(0.2)
-    for k in ("kl_old/k1", "kl_old/k3", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region"):
-        assert got[k] == pytest.approx(float(whole[k]), abs=1e-6), k  # clip fractions are fp32
-    assert micro[0]["kl_old/k3"] != pytest.approx(micro[1]["kl_old/k3"])  # weighting matters here
-
-
-def reduce_on_two_ranks(rank, store_path, parts, out):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
-    out[rank] = reduce_metrics(parts[rank], world=2)
-    dist.destroy_process_group()
-
-
-def test_step_metrics_combine_ranks_as_one_batch(tmp_path):
-    """Two gloo ranks: the loss is averaged over ranks (as DDP averages gradients), token means
-    weighted by each rank's tokens, `_max` keys the maximum over both."""
-    import torch.multiprocessing as mp
-
-    parts = [[{"loss": 0.1, "tokens": 2.0, "entropy": 1.0, "mismatch/abs_max": 3.0}],
-             [{"loss": 0.2, "tokens": 4.0, "entropy": 2.0, "mismatch/abs_max": 5.0},
-              {"loss": 0.1, "tokens": 2.0, "entropy": 5.0, "mismatch/abs_max": 1.0}]]
-    out = mp.Manager().dict()
-    mp.spawn(reduce_on_two_ranks, args=(str(tmp_path / "store"), parts, out), nprocs=2)
-    expected = {"loss": (0.1 + 0.3) / 2, "tokens": 8.0, "entropy": (2 + 8 + 10) / 8, "mismatch/abs_max": 5.0}
-    for rank in (0, 1):
-        assert out[rank] == pytest.approx(expected)
 
 
 def test_training_changes_every_weight_and_the_checkpoint_holds_them(short_run, embedded_dir):
@@ -298,27 +252,6 @@ def test_log_completions_writes_every_completion_with_its_rewards_and_advantage(
     out = capsys.readouterr().out
     assert "completion 1/16:" in out and "completion 9/16:" in out and out.count("  completion ") == 2 * 2
     assert logged_metric_is_the_mean_over_the_round(run, 16)
-
-
-@pytest.mark.parametrize("column, values, error", [
-    ("score", [1.0], r"log_extra column 'score' got 1 values for 2 completions; log one value per completion"),
-    ("step", [1, 2], r"log_extra column 'step' is one of completions.jsonl's own fields"),
-])
-def test_log_completions_refuses_a_log_extra_column_it_cannot_write(column, values, error, tmp_path):
-    from rlcore.runlog import log_completions
-
-    texts = [(["1+1=", "1+1="], ["2", "3"], {column: values})]
-    with pytest.raises(ValueError, match=error):
-        log_completions(tmp_path, 1, texts, torch.ones(2, 1), torch.zeros(2), torch.ones(2), ["r"], None)
-
-
-def test_a_resume_drops_rows_after_the_checkpoint_and_a_line_cut_short(tmp_path):
-    from rlcore.runlog import drop_rows_after
-
-    file = tmp_path / "completions.jsonl"
-    file.write_text('{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n{"step": 3, "x": 3}\n{"step": 3, "comp')
-    drop_rows_after(file, 2)
-    assert file.read_text() == '{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n'
 
 
 def test_a_fresh_run_does_not_append_to_a_crashed_attempts_completions(tmp_path):
