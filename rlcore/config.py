@@ -92,6 +92,8 @@ class RolloutArgs:
     """keep only the k most likely tokens (0 = off)"""
     min_p: float = 0.0
     """drop tokens less likely than min_p times the most likely one (0.0 = off)"""
+    repetition_penalty: float = 1.0
+    """transformers' penalty on tokens already in prompt or completion: logit / this if > 0, else * this (1.0 = off)"""
     stop: list[str] = field(default_factory=list)
     """strings that end a completion, in addition to EOS (matched on each string's own token ids)"""
     seed: int | None = None
@@ -574,6 +576,8 @@ def validate(config: Config, world_size: int = 1) -> None:
     need(0 < r.top_p <= 1, f"rollout.top_p = {r.top_p} must be in (0, 1]; 1.0 = off")
     need(r.top_k >= 0, f"rollout.top_k = {r.top_k} must be >= 0; 0 = off")
     need(0 <= r.min_p < 1, f"rollout.min_p = {r.min_p} must be in [0, 1); 0.0 = off")
+    need(r.repetition_penalty > 0, f"rollout.repetition_penalty = {r.repetition_penalty} must be > 0; "
+         f"1.0 = off, above 1 (e.g. 1.1) discourages repeats")
     need(all(r.stop), f"rollout.stop = {r.stop!r} contains an empty string; remove it")
 
     need(lo.beta >= 0, f"loss.beta = {lo.beta} must be >= 0; 0.0 = no KL term")

@@ -264,7 +264,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
         ro = generate(model, [ex["prompt_ids"] for ex in rows], 1, rc.max_completion_length,
                       eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id,
                       temperature=rc.temperature, top_k=rc.top_k, top_p=rc.top_p, min_p=rc.min_p,
-                      stop_sequences=stop_sequences, generator=sampler,
+                      repetition_penalty=rc.repetition_penalty, stop_sequences=stop_sequences, generator=sampler,
                       dtype=torch.bfloat16 if amp else None)
         t_rollout = time.time() - t0
 

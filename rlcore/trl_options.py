@@ -50,7 +50,6 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     "fp16": ((False,), "fp16 training is not supported; set train.bf16 = true (bf16 autocast over fp32 weights)"),
     # generation
     "use_vllm": ((False,), "rlcore generates with its own engine (rlcore.rollout), set up under [rollout]"),
-    "repetition_penalty": ((1.0,), "rlcore samples without a repetition penalty"),
     "generation_kwargs": ((None,), "set sampling with rollout.temperature, top_p, top_k, min_p and stop"),
     "generation_batch_size": ((None,), "set train.steps_per_generation = generation_batch_size / "
                                        "(per_device_train_batch_size * world size)"),

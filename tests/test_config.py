@@ -42,6 +42,7 @@ def test_defaults_are_spec_section_7():
     assert c.train.steps_per_generation == c.train.gradient_accumulation_steps
     assert c.loss.top_entropy_quantile == 1.0
     assert (c.rollout.temperature, c.rollout.top_p, c.rollout.top_k, c.rollout.min_p) == (1.0, 1.0, 0, 0.0)
+    assert c.rollout.repetition_penalty == 1.0
     assert c.rollout.num_generations == 8
     assert c.rollout.max_completion_length == 512
 
@@ -146,6 +147,7 @@ vllm_mode = "colocate"
 vllm_gpu_memory_utilization = 0.3
 disable_dropout = true
 log_completions = false
+repetition_penalty = 1.1
 num_generations = 4
 beta = 0.0
 loss_type = "dapo"
@@ -158,7 +160,7 @@ def test_a_trl_config_loads_and_says_what_it_ignores(tmp_path):
     t = c.train
     assert (t.lr_scheduler_type, t.warmup_ratio, t.warmup_steps) == ("linear", 0.1, 0)  # transformers 5's ratio form
     assert (t.weight_decay, t.bf16, t.gradient_checkpointing, t.save_total_limit) == (0.1, True, True, 3)
-    assert c.rollout.num_generations == 4
+    assert (c.rollout.num_generations, c.rollout.repetition_penalty) == (4, 1.1)
     said = " | ".join(str(w.message) for w in caught)
     for key in ("gradient_checkpointing_kwargs", "optim", "report_to", "use_vllm", "vllm_mode",
                 "vllm_gpu_memory_utilization", "disable_dropout"):
@@ -171,7 +173,7 @@ def test_a_trl_config_loads_and_says_what_it_ignores(tmp_path):
     ("generation_batch_size = 64", r"train\.steps_per_generation = generation_batch_size /"),
     ("vllm_importance_sampling_correction = true", r"loss\.tis_mode .*loss\.tis_max"),
     ("fp16 = true", r"set train\.bf16 = true"),
-    ("repetition_penalty = 1.1", r"repetition_penalty = 1\.1 .*leave it out or set it to 1\.0"),
+    ("entropy_coef = 0.01", r"entropy_coef = 0\.01 .*rlcore has no entropy bonus; leave it out or set it to 0"),
     ("generation_kwargs = {max_tokens = 3}", r"generation_kwargs = .*rollout\.temperature"),
     ("[train]\nuse_cpu = true", r"set train\.device = 'cpu'"),
     ("loss_type = 'cispo'", r"loss_type = 'cispo' is TRL's name for loss\.policy_loss = 'cispo' with loss\.loss_type = 'dapo'"),
@@ -359,6 +361,7 @@ def test_num_generations_below_two_is_an_error():
 @pytest.mark.parametrize("item, expected", [
     ("loss.epsilon=0", r"loss\.epsilon = 0\.0 must be > 0"),
     ("rollout.top_p=1.5", r"rollout\.top_p = 1\.5 must be in \(0, 1\]"),
+    ("rollout.repetition_penalty=0", r"rollout\.repetition_penalty = 0\.0 must be > 0; 1\.0 = off"),
     ("rollout.temperature=0", r"rollout\.temperature = 0\.0 must be > 0"),
     ("loss.top_entropy_quantile=0", r"loss\.top_entropy_quantile = 0\.0 must be in \(0, 1\]"),
     ("loss.delta=0.5", r"loss\.delta = 0\.5 must be > 1"),

@@ -113,6 +113,58 @@ def test_full_logprobs_under_filters_equal_training_forward_logprobs(filters):
     assert (out.full_logprobs[~m] == 0).all()
 
 
+@pytest.mark.parametrize("penalty", [1.5, 0.6])
+@pytest.mark.parametrize("family", ["qwen2", "llama_tied"])
+def test_greedy_with_repetition_penalty_matches_transformers_generate(family, penalty, decoder):
+    hf = make_hf_model(family)
+    model = rlcore_model(hf)
+    prompts = random_prompts([5, 2, 9, 4], seed=5)
+    out = generate(model, prompts, 1, 24, eos_token_ids=[], pad_token_id=PAD, temperature=0.0,
+                   repetition_penalty=penalty)
+    T = max(map(len, prompts))
+    ids = torch.tensor([[PAD] * (T - len(p)) + p for p in prompts])
+    attn = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    ref = hf.generate(ids, attention_mask=attn, do_sample=False, max_new_tokens=24, eos_token_id=None,
+                      pad_token_id=PAD, repetition_penalty=penalty)[:, T:]
+    assert torch.equal(out.completion_ids, ref)
+    plain = generate(model, prompts, 1, 24, eos_token_ids=[], pad_token_id=PAD, temperature=0.0)
+    assert not torch.equal(plain.completion_ids, ref)  # the penalty changed the completions
+    # The greedy log-probs: penalised (what was decoded from) and, as full_logprobs, the model's own.
+    torch.testing.assert_close(out.full_logprobs, training_logprobs(model, out, 1.0), rtol=0, atol=1e-5)
+    assert not torch.allclose(out.sampling_logprobs, out.full_logprobs, atol=1e-3)
+
+
+@pytest.mark.parametrize("top_k", [0, 20])
+def test_sampling_with_repetition_penalty_reports_both_logprobs_against_transformers(top_k, decoder):
+    """sampling_logprobs: transformers' RepetitionPenaltyLogitsProcessor applied to a full forward's
+    logits at each step (its prompt and completion so far), then temperature (and top-k);
+    full_logprobs: the trainer's, without the penalty. Rows end at many lengths: the batch compacts."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper
+
+    hf = make_hf_model("qwen2")
+    model = rlcore_model(hf)
+    prompts = random_prompts([6, 3, 11, 6], seed=1)
+    eos = list(range(1, 9))
+    out = generate(model, prompts, 4, 40, eos_token_ids=eos, pad_token_id=PAD, temperature=0.8, top_k=top_k,
+                   repetition_penalty=1.3, generator=torch.Generator().manual_seed(0))
+    assert len(set(out.lengths.tolist())) > 4 and out.lengths.max() > 16
+    torch.testing.assert_close(out.full_logprobs, training_logprobs(model, out, 0.8), rtol=0, atol=1e-5)
+    penalty = RepetitionPenaltyLogitsProcessor(1.3)
+    ref = torch.zeros(out.completion_ids.shape)
+    for i, (p, n) in enumerate(zip(out.prompt_ids, out.lengths.tolist())):
+        ids = torch.tensor([p + out.completion_ids[i, :n].tolist()])
+        with torch.no_grad():
+            logits = hf(ids).logits[0].float()
+        for t in range(n):
+            scores = penalty(ids[:, :len(p) + t], logits[None, len(p) - 1 + t].clone()) / 0.8
+            if top_k:
+                scores = TopKLogitsWarper(top_k)(ids, scores)
+            ref[i, t] = scores.log_softmax(-1)[0, ids[0, len(p) + t]]
+    torch.testing.assert_close(out.sampling_logprobs, ref, rtol=0, atol=1e-5)
+    m = out.completion_mask.bool()
+    assert (out.sampling_logprobs[m] - out.full_logprobs[m]).abs().max() > 0.05
+
+
 @pytest.mark.parametrize("decoder", ["module", "packed"])
 def test_cached_decoding_equals_full_recomputation(decoder):
     model = rlcore_model(make_hf_model("llama"))

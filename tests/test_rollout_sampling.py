@@ -10,9 +10,13 @@ from rlcore.rollout.sampling import filter_logits, sample
 V = 12
 
 
-def reference_distribution(logits, temperature, top_k=0, top_p=1.0, min_p=0.0) -> dict[int, float]:
-    """token -> probability after temperature, top-k, top-p, min-p (in that order), in fp64."""
-    z = [x / temperature for x in logits.tolist()]
+def reference_distribution(logits, temperature, top_k=0, top_p=1.0, min_p=0.0,
+                           repetition_penalty=1.0, seen=()) -> dict[int, float]:
+    """token -> probability after the repetition penalty on the tokens in `seen`, temperature,
+    top-k, top-p, min-p (in that order), in fp64."""
+    z = [(x * repetition_penalty if x < 0 else x / repetition_penalty) if i in seen else x
+         for i, x in enumerate(logits.tolist())]
+    z = [x / temperature for x in z]
     top = max(z)
     p = {i: math.exp(x - top) for i, x in enumerate(z)}
 
@@ -76,6 +80,46 @@ def test_samples_follow_the_filtered_distribution(case):
         assert full is None
     else:
         torch.testing.assert_close(full[:100].double(), full_ref, rtol=0, atol=1e-5)
+
+
+PENALTY_CASES = [
+    dict(temperature=1.0, repetition_penalty=1.8),
+    dict(temperature=0.7, repetition_penalty=0.5),
+    dict(temperature=1.2, repetition_penalty=1.4, top_k=6, top_p=0.9),
+]
+
+
+@pytest.mark.parametrize("case", PENALTY_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_samples_follow_the_repetition_penalised_distribution(case):
+    """Tokens already in the row (both signs of logit among them) are drawn as often as the fp64
+    definition says; full_logprobs are the unpenalised, temperature-scaled ones."""
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(0)) * 2
+    seen_ids = [int(logits.argmax()), int(logits.argmin()), 3, 7]
+    assert logits[seen_ids].min() < 0 < logits[seen_ids].max()
+    ref = reference_distribution(logits, seen=set(seen_ids), **case)
+    assert abs(ref[seen_ids[0]] - reference_distribution(logits, case["temperature"])[seen_ids[0]]) > 0.05
+    n = 40_000
+    seen = torch.zeros(n, V, dtype=torch.bool)
+    seen[:, seen_ids] = True
+    tokens, samp, full = sample(logits.expand(n, V).contiguous(), **case, seen=seen,
+                                generator=torch.Generator().manual_seed(1))
+    assert set(tokens.tolist()) <= set(ref)
+    counts = torch.bincount(tokens, minlength=V).double()
+    stat = sum((counts[i].item() - n * q) ** 2 / (n * q) for i, q in ref.items())
+    assert stat < chi2_critical(len(ref) - 1), (stat, len(ref))
+    expected_samp = torch.tensor([math.log(ref[t]) for t in tokens[:100].tolist()], dtype=torch.float64)
+    torch.testing.assert_close(samp[:100].double(), expected_samp, rtol=0, atol=1e-5)
+    full_ref = (logits.double() / case["temperature"]).log_softmax(-1)[tokens[:100]]
+    torch.testing.assert_close(full[:100].double(), full_ref, rtol=0, atol=1e-5)
+
+
+def test_greedy_with_repetition_penalty_takes_the_penalised_argmax():
+    logits = torch.tensor([[3.0, 2.0, -1.0], [3.0, 2.0, -1.0]])
+    seen = torch.tensor([[True, False, False], [False, False, False]])
+    tokens, samp, full = sample(logits, temperature=0.0, repetition_penalty=2.0, seen=seen)
+    assert tokens.tolist() == [1, 0]  # 3 / 2 = 1.5 < 2 in row 0 only
+    torch.testing.assert_close(samp, torch.tensor([[1.5, 2.0, -1.0], [3.0, 2.0, -1.0]]).log_softmax(-1)[[0, 1], [1, 0]])
+    torch.testing.assert_close(full, logits.log_softmax(-1)[[0, 1], [1, 0]])
 
 
 @pytest.mark.parametrize("case", CASES[2:], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))

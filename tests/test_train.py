@@ -334,6 +334,23 @@ def test_mismatch_metrics_compare_engine_and_trainer_logprobs(tmp_path, monkeypa
         assert r["mismatch/k3"] == pytest.approx(math.exp(c) - 1 - c, abs=1e-4)
 
 
+def test_repetition_penalty_reaches_the_rollouts_and_the_trainer_compares_unpenalised_logprobs(tmp_path, monkeypatch):
+    # The penalty changes what is sampled, not the policy: the engine's full_logprobs (without it)
+    # are what the mismatch metrics and TIS compare with the trainer's, so they agree as in fp32.
+    penalties, real = [], rlcore.train.generate
+
+    def generate(*args, **kwargs):
+        if kwargs["temperature"] > 0:
+            penalties.append(kwargs["repetition_penalty"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rlcore.train, "generate", generate)
+    run = tmp_path / "run"
+    train(config(run, "train.max_steps=1", "rollout.repetition_penalty=2.0"))
+    assert penalties and set(penalties) == {2.0}
+    assert all(r["mismatch/abs_mean"] < 1e-4 for r in rows(run))
+
+
 def test_bf16_on_cpu_trains_with_a_bf16_rollout(tmp_path, monkeypatch):
     # train.bf16: rollout in bf16, trainer forwards under bf16 autocast (log-probs in fp32). The
     # loop measures engine vs trainer log-probs (with mu = 2 from the old pass): in fp32 they

@@ -114,6 +114,7 @@ def generate(
     top_k: int = 0,
     top_p: float = 1.0,
     min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
     stop_sequences: list[list[int]] = (),
     generator: torch.Generator | None = None,
     dtype: torch.dtype | None = None,
@@ -122,10 +123,12 @@ def generate(
 
     A row stops after any id in `eos_token_ids` or any of `stop_sequences` (both are kept in
     the completion and its mask). `generator` seeds sampling (same seed, same completions).
+    `repetition_penalty` (1.0 = off) applies to each row's prompt tokens and the tokens it has
+    generated so far, as in transformers (left padding excluded).
     `dtype` (default: the model's) is the compute dtype: bf16 for an fp32 model runs the
     rollout under bf16 autocast, with a bf16 KV cache (and on CPU bf16 copies of the weights).
     """
-    check_sampling_args(temperature, top_k, top_p, min_p)
+    check_sampling_args(temperature, top_k, top_p, min_p, repetition_penalty)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (got an empty prompt list or prompt)")
     if num_generations < 1 or max_new_tokens < 1:
@@ -171,6 +174,12 @@ def generate(
     longest_stop = max([1] + [len(s) for s in stop_sequences])
     positions = prompt_len.clone()
     logits = first_logits[which]
+    seen = None  # [B, V] bool: the tokens already in each row, for the repetition penalty
+    if repetition_penalty != 1.0:
+        seen = torch.zeros(len(distinct), logits.shape[-1], dtype=torch.bool, device=device)
+        for i, p in enumerate(distinct):
+            seen[i, torch.tensor(p, device=device)] = True
+        seen = seen[which]
     packed = PackedDecoder(model, N, dtype) if use_packed_decoder(device) else None
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != model.lm_head_weight.dtype)
     logits_buf = torch.empty_like(logits) if packed is None else None
@@ -178,8 +187,10 @@ def generate(
     has_full = False
 
     for t in range(max_new_tokens):
-        tok, lp, flp = sample(logits, temperature, top_k, top_p, min_p, generator)
+        tok, lp, flp = sample(logits, temperature, top_k, top_p, min_p, generator, repetition_penalty, seen)
         tok = tok.masked_fill(done, pad_token_id)
+        if seen is not None:
+            seen[torch.arange(len(rows), device=device), tok] = True
         completion[rows, t] = tok
         written[rows, t] = ~done
         samp_lp[rows, t] = lp.masked_fill(done, 0.0)
@@ -208,6 +219,8 @@ def generate(
                 del k, v
                 rows, done, positions, valid = rows[keep], done[keep], positions[keep], valid[keep]
                 tok = tok[keep]
+                if seen is not None:
+                    seen = seen[keep]
                 if packed is not None:
                     packed.repack(len(keep))
         S = T + t + 1  # slots 0..T+t are filled once this token is written at slot T+t

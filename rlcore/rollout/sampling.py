@@ -1,13 +1,20 @@
-"""Next-token sampling: temperature, top-k, top-p, min-p, greedy, with log-probs.
+"""Next-token sampling: repetition penalty, temperature, top-k, top-p, min-p, greedy, with log-probs.
 
-Filters apply in transformers' order, each to the distribution left by the one before:
-temperature, then top-k, then top-p (nucleus), then min-p. A filtered-out token gets logit
--inf, so the kept tokens are renormalised.
+Processors apply in transformers' order, each to the distribution left by the one before:
+the repetition penalty, then temperature, then top-k, then top-p (nucleus), then min-p. A
+filtered-out token gets logit -inf, so the kept tokens are renormalised.
+
+The repetition penalty (transformers' `RepetitionPenaltyLogitsProcessor`, TRL's and vLLM's
+`repetition_penalty`) changes the raw logit of every token already in the row (its prompt and
+its completion so far): a positive logit is divided by the penalty, a negative one multiplied,
+so a penalty > 1 makes repeats less likely and < 1 more likely.
 
 Two log-probs come back per token (SPEC 4.3):
-- `sampling_logprobs`: under the distribution actually sampled from (after the filters);
+- `sampling_logprobs`: under the distribution actually sampled from (after the penalty and
+  the filters);
 - `full_logprobs`: under the full temperature-scaled distribution, which is what the trainer
-  computes, only when a filter is active (otherwise the two are equal and it is None).
+  computes, only when the penalty or a filter is active (otherwise the two are equal and it
+  is None).
 Greedy decoding (temperature 0) has no temperature to scale by; it reports the log-prob of
 the argmax under the unscaled (temperature 1) distribution.
 """
@@ -21,7 +28,8 @@ def filters_active(top_k: int, top_p: float, min_p: float) -> bool:
     return top_k > 0 or top_p < 1.0 or min_p > 0.0
 
 
-def check_sampling_args(temperature: float, top_k: int, top_p: float, min_p: float) -> None:
+def check_sampling_args(temperature: float, top_k: int, top_p: float, min_p: float,
+                        repetition_penalty: float = 1.0) -> None:
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if top_k < 0:
@@ -30,6 +38,15 @@ def check_sampling_args(temperature: float, top_k: int, top_p: float, min_p: flo
         raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
     if not 0.0 <= min_p <= 1.0:
         raise ValueError(f"min_p must be in [0, 1] (0 = off), got {min_p}")
+    if not repetition_penalty > 0:
+        raise ValueError(f"repetition_penalty must be > 0 (1 = off, > 1 discourages repeats), got {repetition_penalty}")
+
+
+def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """Logits `[B, V]` with the repetition penalty applied to the tokens marked in `seen` `[B, V]`
+    (bool): a positive logit divided by `penalty`, a negative one multiplied (a new tensor)."""
+    hit = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, hit, logits)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0,
@@ -81,20 +98,30 @@ def draw(logits: torch.Tensor, generator: torch.Generator | None = None):
 
 
 def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-           min_p: float = 0.0, generator: torch.Generator | None = None):
-    """Draw one token per row from fp32 logits `[B, V]`.
+           min_p: float = 0.0, generator: torch.Generator | None = None,
+           repetition_penalty: float = 1.0, seen: torch.Tensor | None = None):
+    """Draw one token per row from fp32 logits `[B, V]`; `seen` `[B, V]` (bool) marks the tokens
+    already in each row, which `repetition_penalty` (1.0 = off) applies to.
 
     Returns tokens `[B]` (long), sampling_logprobs `[B]` and full_logprobs `[B]` or None
     (see the module docstring).
     """
+    raw = logits
+    penalized = repetition_penalty != 1.0 and seen is not None
+    if penalized:
+        logits = penalize(logits, seen, repetition_penalty)
     if temperature == 0.0:
-        tokens = logits.argmax(-1)
-        logprobs = logits.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
-        return tokens, logprobs, None
+        tokens = logits.argmax(-1)[:, None]
+        logprobs = logits.log_softmax(-1).gather(-1, tokens)[:, 0]
+        full = raw.log_softmax(-1).gather(-1, tokens)[:, 0] if penalized else None
+        return tokens[:, 0], logprobs, full
     scaled = logits / temperature if temperature != 1.0 else logits
-    if not filters_active(top_k, top_p, min_p):
+    if not penalized and not filters_active(top_k, top_p, min_p):
         tokens, logprobs = draw(scaled, generator)
         return tokens, logprobs, None
-    tokens, logprobs = draw(filter_logits(scaled, top_k, top_p, min_p), generator)
-    full = scaled.gather(-1, tokens[:, None])[:, 0] - scaled.logsumexp(-1)
+    if filters_active(top_k, top_p, min_p):
+        scaled = filter_logits(scaled, top_k, top_p, min_p)
+    tokens, logprobs = draw(scaled, generator)
+    raw_scaled = raw / temperature if temperature != 1.0 else raw
+    full = raw_scaled.gather(-1, tokens[:, None])[:, 0] - raw_scaled.logsumexp(-1)
     return tokens, logprobs, full
