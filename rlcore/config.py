@@ -124,6 +124,18 @@ class LossArgs:
     """exclude completions that hit max_completion_length without EOS from the loss"""
     top_entropy_quantile: float = 1.0
     """train only on the tokens in this top fraction of entropy (1.0 = all tokens)"""
+    entropy_coef: float = 0.0
+    """entropy bonus: loss -= entropy_coef x mean token entropy (TRL's; same scale for every loss_type; 0.0 = off)"""
+    use_adaptive_entropy: bool = False
+    """adapt entropy_coef each step towards entropy_target (Skywork-OR1); the bonus applies only at or below it"""
+    entropy_target: float = 0.2
+    """adaptive control: the entropy (nats per token) below which the bonus applies and its coefficient grows"""
+    entropy_coef_delta: float = 0.005
+    """adaptive control: how much entropy_coef moves per optimizer step"""
+    entropy_coef_min: float = 0.0
+    """adaptive control: lower bound of entropy_coef"""
+    entropy_coef_max: float = 1.0
+    """adaptive control: upper bound of entropy_coef"""
     num_iterations: int = 1
     """mu: passes over each generation batch"""
     tis_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] | None = None
@@ -581,6 +593,14 @@ def validate(config: Config, world_size: int = 1) -> None:
     need(all(r.stop), f"rollout.stop = {r.stop!r} contains an empty string; remove it")
 
     need(lo.beta >= 0, f"loss.beta = {lo.beta} must be >= 0; 0.0 = no KL term")
+    need(math.isfinite(lo.entropy_coef), f"loss.entropy_coef = {lo.entropy_coef} must be a finite number; 0.0 = off")
+    if lo.use_adaptive_entropy:
+        need(lo.entropy_coef_delta > 0, f"loss.entropy_coef_delta = {lo.entropy_coef_delta} must be > 0 with "
+             f"loss.use_adaptive_entropy = true (0.005 is TRL's default)")
+        need(lo.entropy_coef_min <= lo.entropy_coef <= lo.entropy_coef_max,
+             f"loss.entropy_coef = {lo.entropy_coef} must lie in [entropy_coef_min, entropy_coef_max] = "
+             f"[{lo.entropy_coef_min}, {lo.entropy_coef_max}] with loss.use_adaptive_entropy = true; it is "
+             f"the starting coefficient")
     need(lo.epsilon > 0, f"loss.epsilon = {lo.epsilon} must be > 0 (0.2 is the usual value)")
     need(lo.epsilon_high > 0, f"loss.epsilon_high = {lo.epsilon_high} must be > 0 (DAPO uses 0.28)")
     need(lo.delta is None or lo.delta > 1, f"loss.delta = {lo.delta} must be > 1 (it caps ratios "

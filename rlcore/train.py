@@ -34,8 +34,9 @@ from rlcore.data import encode_prompts, load_examples
 from rlcore.embedded import build_embedded_model
 from rlcore.losses.advantages import compute_advantages, score_completions
 from rlcore.losses.aggregate import aggregate_loss
+from rlcore.losses.entropy import EntropyBonus
 from rlcore.losses.metrics import rollout_mismatch
-from rlcore.losses.policy import mask_truncated, policy_loss, tis_weights
+from rlcore.losses.policy import entropy_mask, mask_truncated, policy_loss, tis_weights
 from rlcore.rewards import RewardState, dataset_columns, get_reward_funcs, reward_inputs
 from rlcore.rollout import generate
 from rlcore.runlog import drop_rows_after, log_completions, log_line, record_eval, reduce_metrics
@@ -218,6 +219,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     sampler = torch.Generator(device=device).manual_seed(rc.seed + rank)  # rollout sampling
     shuffler = torch.Generator(device=device).manual_seed(t.seed)   # micro-batch order
+    bonus = EntropyBonus(lc.entropy_coef, lc.use_adaptive_entropy, lc.entropy_target, lc.entropy_coef_delta,
+                         lc.entropy_coef_min, lc.entropy_coef_max)
     step, data_pos, bad_in_row, bad_total = 0, 0, 0, 0
     metrics_file = run / "metrics.jsonl"
     if ck:
@@ -238,6 +241,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
         torch.set_rng_state(st["torch_rng"])
         step, data_pos, bad_total, before = st["step"], st["data_pos"], st["nonfinite_total"], st["before"]
         bad_in_row = st.get("nonfinite_in_row", 0)  # absent from checkpoints of earlier versions
+        if "entropy_bonus" in st:
+            bonus.load_state_dict(st["entropy_bonus"])
         if main:
             keep = metrics_file.read_text().splitlines()[:step]  # one row per step; later (torn) rows go
             metrics_file.write_text("".join(ln + "\n" for ln in keep))
@@ -354,18 +359,22 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                     # (unless there are more than b of them: then each micro-batch runs its own).
                     shared = SharedPrompts.build(model, ids[group], attn[group], Lp, amp, max_prompts=b)
                 logp, entropy = completion_logprobs(model, ids[r], attn[r], Lp, cids[r], rc.temperature, amp,
-                                                    shared)
+                                                    shared)  # entropy is differentiable: the bonus below
                 l, m = policy_loss(
                     logp, logp.detach() if old is None else old[r], adv[r], mask[r],
                     loss=lc.policy_loss, importance_sampling_level=lc.importance_sampling_level,
                     epsilon=lc.epsilon, epsilon_high=lc.epsilon_high, delta=lc.delta,
                     ref=None if ref_lp is None else ref_lp[r], beta=lc.beta,
                     use_bias_correction_kl=lc.use_bias_correction_kl,
-                    tis_weights=None if tis is None else tis[r], entropy=entropy,
+                    tis_weights=None if tis is None else tis[r], entropy=entropy.detach(),
                     top_entropy_quantile=lc.top_entropy_quantile)
                 loss = aggregate_loss(l, mask[r], lc.loss_type, gradient_accumulation_steps=GA,
                                       max_completion_length=rc.max_completion_length,
                                       step_tokens=step_tokens, world_size=world)
+                if bonus.enabled:  # loss.entropy_coef: over the tokens the policy loss trains on
+                    on = mask[r] if lc.top_entropy_quantile == 1.0 else \
+                        entropy_mask(entropy.detach(), mask[r], lc.top_entropy_quantile)
+                    loss = loss - bonus.term(entropy, on, GA)
                 loss.backward()
                 if not mismatch:
                     m.update(rollout_mismatch(logp.detach(), samp[r], mask[r]))  # its `tokens` = m's
@@ -393,6 +402,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                                            f"{t.max_nonfinite_steps}); lower the learning rate or check rewards")
                 opt.zero_grad(set_to_none=True)
                 lr = opt.param_groups[0]["lr"]  # the rate this step used, before the schedule moves on
+                entropy_coef = bonus.applied()  # the coefficient this step used, before adaptation
+                bonus.end_step(world, device)
                 sched.step()
                 step += 1
 
@@ -403,6 +414,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                        **mismatch, "grad_norm": grad_norm.item(), "lr": lr, "skipped": not finite,
                        "nonfinite_total": bad_total, **round_times, "time/update": t_step,
                        "tokens_per_s/train": step_len / max(t_step, 1e-9)}
+                if bonus.enabled:
+                    met["entropy_coef"] = entropy_coef
                 round_times = dict.fromkeys(round_times, 0.0)
                 if device.type == "cuda":  # the largest over ranks
                     met["memory/peak_gb"] = distributed.max_over_ranks(
@@ -435,7 +448,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                 state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "sampler_rng": samplers,
                          "shuffler_rng": shuffler.get_state(), "torch_rng": torch.get_rng_state(), "step": step,
                          "data_pos": data_pos, "nonfinite_total": bad_total, "nonfinite_in_row": bad_in_row,
-                         "before": before}
+                         "before": before, "entropy_bonus": bonus.state_dict()}
                 save_checkpoint(run, step, model, Path(model_dir), state, t.save_total_limit)
 
     if main and step % steps_per_round:

@@ -65,7 +65,6 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     "lr_scheduler_kwargs": ((None,), "rlcore's schedules (train.lr_scheduler_type) take no arguments"),
     # loss
     "multi_objective_aggregation": (("sum_then_normalize",), "rlcore sums the weighted rewards, then normalises"),
-    "entropy_coef": ((0, 0.0), "rlcore has no entropy bonus"),
     "off_policy_mask_threshold": ((None,), "rlcore has no off-policy sequence mask; see loss.tis_mode"),
     "sapo_temperature_pos": ((1.0,), "loss.policy_loss = 'sapo' uses TRL's default temperatures (1.0, 1.05)"),
     "sapo_temperature_neg": ((1.05,), "loss.policy_loss = 'sapo' uses TRL's default temperatures (1.0, 1.05)"),

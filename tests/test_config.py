@@ -173,7 +173,7 @@ def test_a_trl_config_loads_and_says_what_it_ignores(tmp_path):
     ("generation_batch_size = 64", r"train\.steps_per_generation = generation_batch_size /"),
     ("vllm_importance_sampling_correction = true", r"loss\.tis_mode .*loss\.tis_max"),
     ("fp16 = true", r"set train\.bf16 = true"),
-    ("entropy_coef = 0.01", r"entropy_coef = 0\.01 .*rlcore has no entropy bonus; leave it out or set it to 0"),
+    ("off_policy_mask_threshold = 0.5", r"off_policy_mask_threshold = 0\.5 .*see loss\.tis_mode; leave it out"),
     ("generation_kwargs = {max_tokens = 3}", r"generation_kwargs = .*rollout\.temperature"),
     ("[train]\nuse_cpu = true", r"set train\.device = 'cpu'"),
     ("loss_type = 'cispo'", r"loss_type = 'cispo' is TRL's name for loss\.policy_loss = 'cispo' with loss\.loss_type = 'dapo'"),
@@ -370,6 +370,18 @@ def test_num_generations_below_two_is_an_error():
 def test_out_of_range_value_is_named(item, expected):
     with pytest.raises(ConfigError, match=expected):
         load_config(None, [item])
+
+
+@pytest.mark.parametrize("items, expected", [
+    (["loss.entropy_coef=nan"], r"loss\.entropy_coef = nan must be a finite number"),
+    (["loss.use_adaptive_entropy=true", "loss.entropy_coef=2.0"],
+     r"loss\.entropy_coef = 2\.0 must lie in \[entropy_coef_min, entropy_coef_max\] = \[0\.0, 1\.0\]"),
+    (["loss.use_adaptive_entropy=true", "loss.entropy_coef_delta=0"], r"loss\.entropy_coef_delta = 0\.0 must be > 0"),
+])
+def test_entropy_bonus_settings_are_checked(items, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, items)
+    assert load_config(None, ["entropy_coef=-0.01"]).loss.entropy_coef == -0.01  # TRL's flat name; a penalty
 
 
 def test_reward_weights_length_must_match_reward_funcs():

@@ -31,7 +31,7 @@ def naive_fp64(hidden, weight, targets, temperature=1.0, bias=None):
 
 
 def grads(outputs, inputs, upstream):
-    return torch.autograd.grad(outputs, inputs, upstream)
+    return torch.autograd.grad(outputs, inputs, upstream, retain_graph=True)
 
 
 @pytest.mark.parametrize("recompute", [True, False])
@@ -48,8 +48,15 @@ def test_logp_entropy_and_grads_match_naive_fp64(chunk_size, temperature, bias, 
     torch.testing.assert_close(entropy, ref_entropy, rtol=1e-12, atol=1e-12)
 
     upstream = torch.randn(B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    up_entropy = torch.randn(B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     inputs = [hidden, weight] + ([b] if bias else [])
     for got, want in zip(grads(logp, inputs, upstream), grads(ref_logp, inputs, upstream)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    # the entropy's gradient, alone and together with logp's (loss.entropy_coef's bonus)
+    for got, want in zip(grads(entropy, inputs, up_entropy), grads(ref_entropy, inputs, up_entropy)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    both, ref_both = (logp * upstream + entropy * up_entropy).sum(), (ref_logp * upstream + ref_entropy * up_entropy).sum()
+    for got, want in zip(grads(both, inputs, None), grads(ref_both, inputs, None)):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
@@ -57,8 +64,10 @@ def test_logp_entropy_and_grads_match_naive_fp64(chunk_size, temperature, bias, 
 def test_gradcheck_fp64(recompute):
     (hidden, weight, bias), targets = make_inputs(bias=True)
     fn = lambda h, w, b: token_logprobs(h, w, targets, temperature=0.8, chunk_size=4, bias=b,
-                                        recompute=recompute)[0]
-    assert torch.autograd.gradcheck(fn, (hidden, weight, bias))
+                                        recompute=recompute)
+    assert torch.autograd.gradcheck(lambda h, w, b: fn(h, w, b)[0], (hidden, weight, bias))
+    assert torch.autograd.gradcheck(lambda h, w, b: fn(h, w, b)[1], (hidden, weight, bias))
+    assert torch.autograd.gradcheck(fn, (hidden, weight, bias))  # both outputs
 
 
 @pytest.mark.parametrize("recompute", [True, False])
@@ -105,7 +114,7 @@ def saved_shapes(**kwargs):
     return sorted(saved)
 
 
-INPUTS_AND_LSE = [(B * T, H), (V, H), (B * T,), (B * T,)]  # h, W, targets, lse
+INPUTS_AND_LSE = [(B * T, H), (V, H), (B * T,), (B * T,), (B * T,)]  # h, W, targets, lse, entropy
 
 
 def test_recompute_saves_inputs_and_logsumexp_but_no_logits():
@@ -165,10 +174,23 @@ def test_recompute_and_saved_softmax_give_the_same_grads():
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
 
 
-def test_entropy_carries_no_grad():
+@pytest.mark.parametrize("recompute", [True, False])
+def test_an_unused_entropy_costs_backward_nothing(recompute, monkeypatch):
+    """logp alone in the loss: backward makes no entropy term (no xlogy, one exp per recomputed
+    chunk), and its gradients are the fp64 reference's."""
     (hidden, weight), targets = make_inputs()
-    _, entropy = token_logprobs(hidden, weight, targets)
-    assert not entropy.requires_grad
+    logp, entropy = token_logprobs(hidden, weight, targets, chunk_size=4, recompute=recompute)
+    assert entropy.requires_grad
+    calls = []
+    for name in ("xlogy", "exp"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    got = grads(logp.sum(), [hidden, weight], None)
+    monkeypatch.undo()
+    assert calls == []
+    ref_logp, _ = naive_fp64(hidden, weight, targets)
+    for a, b in zip(got, grads(ref_logp.sum(), [hidden, weight], None)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("recompute", [True, False])

@@ -351,6 +351,43 @@ def test_repetition_penalty_reaches_the_rollouts_and_the_trainer_compares_unpena
     assert all(r["mismatch/abs_mean"] < 1e-4 for r in rows(run))
 
 
+def test_entropy_bonus_raises_the_policy_entropy_and_a_penalty_lowers_it(tmp_path):
+    # Same start, same samples at step 1; the sign of loss.entropy_coef is the only difference.
+    # Without the bonus in the gradient the two runs would be bit-identical.
+    ent = {}
+    for sign in (1, -1):
+        run = tmp_path / f"coef{sign}"
+        train(config(run, "train.max_steps=3", f"loss.entropy_coef={sign * 2.0}"))
+        ent[sign] = [r["entropy"] for r in rows(run)]
+        assert [r["entropy_coef"] for r in rows(run)] == [sign * 2.0] * 3
+    assert ent[1][0] == ent[-1][0]  # step 1 is measured before any update
+    assert ent[1][-1] > ent[1][0] + 0.02 and ent[-1][-1] < ent[-1][0] - 0.02, ent
+
+
+def test_adaptive_entropy_control_steps_its_coefficient_and_resumes_it(tmp_path, monkeypatch):
+    # entropy_target far above any entropy: every step's entropy is below it, so the coefficient
+    # grows by delta per step; it applies from step 2 (step 1 has no measurement yet).
+    steps = ["train.max_steps=4", "train.save_steps=2", "loss.use_adaptive_entropy=true", "loss.entropy_coef=0.01",
+             "loss.entropy_coef_delta=0.02", "loss.entropy_target=100.0"]
+    assert main(cli_args(tmp_path / "a", *steps)) == 0
+    assert [r["entropy_coef"] for r in rows(tmp_path / "a")] == pytest.approx([0.0, 0.03, 0.05, 0.07])
+    real = rlcore.train.save_checkpoint
+
+    def dies_at_step_4(run, step, *args, **kwargs):
+        if step == 4:
+            raise Killed
+        return real(run, step, *args, **kwargs)
+
+    monkeypatch.setattr(rlcore.train, "save_checkpoint", dies_at_step_4)
+    with pytest.raises(Killed):
+        main(cli_args(tmp_path / "b", *steps))
+    monkeypatch.undo()
+    assert main(["train", "--resume", str(tmp_path / "b")]) == 0
+    a, b = weights(tmp_path / "a" / "checkpoint-4" / "model"), weights(tmp_path / "b" / "checkpoint-4" / "model")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["entropy_coef"] for r in rows(tmp_path / "b")] == [r["entropy_coef"] for r in rows(tmp_path / "a")]
+
+
 def test_bf16_on_cpu_trains_with_a_bf16_rollout(tmp_path, monkeypatch):
     # train.bf16: rollout in bf16, trainer forwards under bf16 autocast (log-probs in fp32). The
     # loop measures engine vs trainer log-probs (with mu = 2 from the old pass): in fp32 they

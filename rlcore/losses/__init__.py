@@ -1,11 +1,12 @@
 """Losses: rewards -> advantages, per-token log-probs, per-token policy losses, aggregation.
 
 Read in this order: advantages.py (SPEC 2), logprobs.py and policy.py (SPEC 3-4), aggregate.py
-(SPEC 5), metrics.py (SPEC 6). docs/losses.md maps every option to its equation and paper.
+(SPEC 5), metrics.py (SPEC 6); entropy.py is TRL's entropy bonus, beyond the SPEC. docs/losses.md maps every option to its equation and paper.
 """
 
 from rlcore.losses.advantages import compute_advantages, score_completions
 from rlcore.losses.aggregate import LOSS_TYPES, aggregate_loss
+from rlcore.losses.entropy import EntropyBonus, mean_entropy
 from rlcore.losses.logprobs import token_logprobs
 from rlcore.losses.metrics import masked_mean, rollout_mismatch
 from rlcore.losses.policy import (
@@ -18,7 +19,7 @@ from rlcore.losses.policy import (
 )
 
 __all__ = [
-    "LOSS_TYPES", "aggregate_loss", "check_loss_options", "compute_advantages", "entropy_mask",
-    "importance_weights", "mask_truncated", "masked_mean", "policy_loss", "rollout_mismatch",
+    "EntropyBonus", "LOSS_TYPES", "aggregate_loss", "check_loss_options", "compute_advantages", "entropy_mask",
+    "importance_weights", "mask_truncated", "masked_mean", "mean_entropy", "policy_loss", "rollout_mismatch",
     "score_completions", "tis_weights", "token_logprobs",
 ]

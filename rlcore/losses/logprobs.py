@@ -1,13 +1,15 @@
 """Per-token log-probabilities and entropies without materialising [B, T, V] logits.
 
 logp[b, t] = log softmax((h[b, t] @ W.T + bias) / temperature)[targets[b, t]]   (SPEC section 3)
+entropy[b, t] = -sum_v q_v log q_v, q = that softmax  (differentiable: loss.entropy_coef's bonus)
 
 The naive version, `log_softmax(h @ W.T).gather(...)`, holds several fp32 [B*T, V] tensors at
 once (logits, log-softmax, and their gradients in backward): for 4 x 1024 tokens and a 152k
 vocabulary that is 2.5 GB each. Here the flattened [N, H] rows are processed in chunks of
 `chunk_size` through [chunk_size, V] buffers allocated once per call (a fresh large tensor
 per chunk costs page faults on CPU). Backward needs d logp / d logits = onehot(target) - softmax
-per chunk, and `recompute` picks how it gets the softmax:
+per chunk (and, when the entropy is in the loss, d H / d logits = -q * (log q + H)), and
+`recompute` picks how it gets the softmax:
 
 - recompute=True: forward saves only the [N] log-sum-exp (O(N) extra memory) and backward
   recomputes each chunk's logits: one more [chunk, H] x [H, V] matmul per chunk, a quarter of
@@ -44,8 +46,9 @@ def _chunk_logits(
 
 class ChunkedTokenLogprobs(torch.autograd.Function):
     """Autograd function over flattened rows: (h[N, H], W[V, H], bias[V] | None, targets[N]) ->
-    (logp[N], entropy[N]). Saves h, W, bias, targets and the [N] log-sum-exp, and with
-    recompute=False also the [N, V] softmax, which backward reads but never overwrites."""
+    (logp[N], entropy[N]). Saves h, W, bias, targets, the [N] log-sum-exp and entropy, and with
+    recompute=False also the [N, V] softmax, which backward reads but never overwrites. An
+    output the loss does not use gets no gradient term (no work for the entropy's)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, recompute):
@@ -76,16 +79,16 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             entropy[rows] = (log_s - z.mul_(p).sum(-1, keepdim=True) / s).squeeze(1)
             if not recompute:
                 p /= s
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, probs)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, probs)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
-        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
         return logp, entropy
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, bias, targets, lse, probs = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, entropy, probs = ctx.saved_tensors
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
         dtype = lse.dtype
         w = weight.to(dtype)
@@ -96,20 +99,32 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         # accumulated in fp32 across chunks; the first chunk writes it (no rows: zeros)
         grad_w = (torch.empty_like(w) if n else torch.zeros_like(w)) if need_w else None
         grad_b = torch.zeros_like(b) if need_b else None
-        # chain rule through logits = (h @ W.T + b) / temperature, applied to the [N] upstream
-        grad_logp = grad_logp.to(dtype) / temperature
+        # chain rule through logits = (h @ W.T + b) / temperature, applied to the [N] upstreams
+        grad_logp = lse.new_zeros(n) if grad_logp is None else grad_logp.to(dtype) / temperature
+        grad_ent = None if grad_entropy is None else grad_entropy.to(dtype) / temperature
         buf = hidden.new_empty(min(chunk_size, n), w.shape[0], dtype=dtype)
+        q_buf = None if grad_ent is None or probs is not None else torch.empty_like(buf)
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
             h = hidden[rows].to(dtype)
             g = grad_logp[rows, None]
-            # d logp / d logits = onehot(target) - softmax
+            # d logp / d logits = onehot(target) - q, and d H / d logits = -q * (log q + H), so
+            # grad_z = g * onehot - q * (g + g_H * (log q + H))
             if probs is None:  # recompute: the price of not saving N x V in forward
                 grad_z = _chunk_logits(h, w, b, temperature, buf)
-                grad_z -= lse[rows, None]
-                grad_z.exp_().mul_(-g)
-            else:  # into buf, never in place: a retain_graph backward reads probs again
+                grad_z -= lse[rows, None]  # log q
+                if grad_ent is None:
+                    grad_z.exp_().mul_(-g)
+                else:
+                    q = torch.exp(grad_z, out=q_buf[: h.shape[0]])
+                    g_h = grad_ent[rows, None]
+                    grad_z.add_(entropy[rows, None]).mul_(g_h).add_(g).mul_(q).neg_()
+            elif grad_ent is None:  # into buf, never in place: a retain_graph backward reads probs again
                 grad_z = torch.mul(probs[rows], -g, out=buf[: h.shape[0]])
+            else:  # q log q as xlogy: 0 where q underflowed to 0
+                q, g_h = probs[rows], grad_ent[rows, None]
+                grad_z = torch.xlogy(q, q, out=buf[: h.shape[0]]).mul_(g_h)
+                grad_z.addcmul_(q, g + g_h * entropy[rows, None]).neg_()
             grad_z.scatter_add_(1, targets[rows, None], g)
             if need_h:
                 grad_h[rows] = (grad_z @ w).to(hidden.dtype)
@@ -137,8 +152,8 @@ def token_logprobs(
 
     hidden [B, T, H] (final-norm hidden states at the positions that predict `targets`),
     weight [V, H] (the lm_head / tied embedding), targets [B, T] int64 in [0, V), bias [V] or None.
-    Returns logp [B, T] (fp32, differentiable w.r.t. hidden, weight and bias) and entropy [B, T]
-    (fp32, no grad). Padding positions need a valid token id; mask them in the loss.
+    Returns logp [B, T] and entropy [B, T] (fp32, both differentiable w.r.t. hidden, weight and
+    bias; backward does the entropy's extra [chunk, V] work only when the loss uses it). Padding positions need a valid token id; mask them in the loss.
     bf16 inputs are computed in fp32 per chunk and receive grads in bf16.
 
     Extra memory is two chunk_size x V fp32 buffers plus an fp32 grad of `weight`, and, until
