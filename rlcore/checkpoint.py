@@ -240,8 +240,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
                    "chat_template.jinja", "special_tokens_map.json")
 
 
-def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep: int | None = 2) -> Path:
-    """run/checkpoint-<step>/: HF weights + tokenizer + trainer_state.pt, then `latest` points to it.
+def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep: int | None = 2,
+                    ref=None) -> Path:
+    """run/checkpoint-<step>/: HF weights + tokenizer + trainer_state.pt (+ `ref_model/`, HF weights
+    of a reference model that training has changed, when `ref` is given), then `latest` points to it.
 
     The directory is written under a temporary name and renamed, and `latest` is replaced
     atomically, so a crash at any point leaves the previous checkpoint intact and findable.
@@ -252,6 +254,8 @@ def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep
     shutil.rmtree(tmp, ignore_errors=True)
     extra = {n: source / n for n in TOKENIZER_FILES if (source / n).is_file()}
     save_model(model, tmp / "model", extra_files=extra)
+    if ref is not None:
+        save_model(ref, tmp / "ref_model")
     torch.save(state, tmp / "trainer_state.pt")
     fsync_dir(tmp)
     shutil.rmtree(final, ignore_errors=True)

@@ -110,6 +110,12 @@ class LossArgs:
     """KL coefficient against the reference model (k3 estimator); 0.0 loads no reference model"""
     use_bias_correction_kl: bool = False
     """multiply the KL term by the importance ratio, as TRL does by default (false: k3 alone, SPEC 4)"""
+    sync_ref_model: bool = False
+    """TR-DPO: every ref_model_sync_steps steps, ref = alpha x policy + (1 - alpha) x ref (needs beta != 0)"""
+    ref_model_mixup_alpha: float = 0.6
+    """sync_ref_model's alpha: the policy's share of the new reference weights"""
+    ref_model_sync_steps: int = 512
+    """sync_ref_model: optimizer steps between two syncs of the reference model"""
     epsilon: float = 0.2
     """lower clip range: ratios below 1 - epsilon are clipped"""
     epsilon_high: float | None = None
@@ -593,6 +599,12 @@ def validate(config: Config, world_size: int = 1) -> None:
     need(all(r.stop), f"rollout.stop = {r.stop!r} contains an empty string; remove it")
 
     need(lo.beta >= 0, f"loss.beta = {lo.beta} must be >= 0; 0.0 = no KL term")
+    if lo.sync_ref_model:
+        need(lo.beta != 0, "loss.sync_ref_model = true with loss.beta = 0.0: there is no reference model to "
+             "synchronize; set loss.beta (e.g. 0.04) or loss.sync_ref_model = false")
+        need(0 <= lo.ref_model_mixup_alpha <= 1, f"loss.ref_model_mixup_alpha = {lo.ref_model_mixup_alpha} must be "
+             f"in [0, 1] (TRL's default 0.6)")
+        need(lo.ref_model_sync_steps >= 1, f"loss.ref_model_sync_steps = {lo.ref_model_sync_steps} must be >= 1")
     need(math.isfinite(lo.entropy_coef), f"loss.entropy_coef = {lo.entropy_coef} must be a finite number; 0.0 = off")
     if lo.use_adaptive_entropy:
         need(lo.entropy_coef_delta > 0, f"loss.entropy_coef_delta = {lo.entropy_coef_delta} must be > 0 with "

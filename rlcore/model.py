@@ -397,6 +397,15 @@ class Transformer(nn.Module):
         return hidden @ self.lm_head_weight.T
 
 
+@torch.no_grad()
+def mix_into(target: Transformer, source: Transformer, alpha: float) -> None:
+    """target = alpha * source + (1 - alpha) * target, parameter by parameter, in target's dtype
+    (TR-DPO's reference update, loss.sync_ref_model). Both must have the same architecture."""
+    weights = dict(source.named_parameters())
+    for name, p in target.named_parameters():
+        p.mul_(1.0 - alpha).add_(weights[name].to(p.dtype), alpha=alpha)
+
+
 def padded_causal_mask(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask `[B, 1, T, T]` and positions `[B, T]` for a batch with padding anywhere.
 

@@ -37,6 +37,7 @@ from rlcore.losses.aggregate import aggregate_loss
 from rlcore.losses.entropy import EntropyBonus
 from rlcore.losses.metrics import rollout_mismatch
 from rlcore.losses.policy import entropy_mask, mask_truncated, policy_loss, tis_weights
+from rlcore.model import mix_into
 from rlcore.rewards import RewardState, dataset_columns, get_reward_funcs, reward_inputs
 from rlcore.rollout import generate
 from rlcore.runlog import drop_rows_after, log_completions, log_line, record_eval, reduce_metrics
@@ -194,7 +195,10 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
     model = load_model(ck / "model" if ck else model_dir, cfg.model.dtype, device)
     model.gradient_checkpointing = t.gradient_checkpointing
     check_vocab_fits(tok, model.config.vocab_size, model_dir)
-    ref = load_model(cfg.model.ref_path or model_dir, cfg.model.dtype, device).eval() if lc.beta else None
+    ref = None
+    if lc.beta:  # a synced reference (loss.sync_ref_model) resumes from its checkpoint's copy
+        synced = ck / "ref_model" if ck and (ck / "ref_model").is_dir() else None
+        ref = load_model(synced or cfg.model.ref_path or model_dir, cfg.model.dtype, device).eval()
     for split in (train_set, eval_set):
         ids = encode_prompts(split, tok, cfg.data.system_prompt, cfg.data.use_chat_template,
                              cfg.data.max_prompt_length, cfg.data.chat_template_kwargs)
@@ -406,6 +410,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                 bonus.end_step(world, device)
                 sched.step()
                 step += 1
+                if lc.sync_ref_model and step % lc.ref_model_sync_steps == 0:
+                    mix_into(ref, model, lc.ref_model_mixup_alpha)  # TR-DPO; the next round's ref log-probs use it
 
                 # Metrics (SPEC 6): the round's statistics + this step's diagnostics, all ranks. The
                 # round's phase times go on its first step (0 on the others), so times sum over steps.
@@ -449,7 +455,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                          "shuffler_rng": shuffler.get_state(), "torch_rng": torch.get_rng_state(), "step": step,
                          "data_pos": data_pos, "nonfinite_total": bad_total, "nonfinite_in_row": bad_in_row,
                          "before": before, "entropy_bonus": bonus.state_dict()}
-                save_checkpoint(run, step, model, Path(model_dir), state, t.save_total_limit)
+                synced = lc.sync_ref_model and step >= lc.ref_model_sync_steps
+                save_checkpoint(run, step, model, Path(model_dir), state, t.save_total_limit, ref if synced else None)
 
     if main and step % steps_per_round:
         print(f"note: max_steps={t.max_steps} ended the run inside a round of {steps_per_round} optimizer "

@@ -68,9 +68,6 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     "off_policy_mask_threshold": ((None,), "rlcore has no off-policy sequence mask; see loss.tis_mode"),
     "sapo_temperature_pos": ((1.0,), "loss.policy_loss = 'sapo' uses TRL's default temperatures (1.0, 1.05)"),
     "sapo_temperature_neg": ((1.05,), "loss.policy_loss = 'sapo' uses TRL's default temperatures (1.0, 1.05)"),
-    "sync_ref_model": ((False,), "rlcore's reference model stays the initial policy (or model.ref_path)"),
-    "ref_model_sync_steps": (ANY, "rlcore's reference model stays the initial policy (or model.ref_path)"),
-    "ref_model_mixup_alpha": (ANY, "rlcore's reference model stays the initial policy (or model.ref_path)"),
     # models
     "model_init_kwargs": ((None,), "set the weights' dtype with model.dtype; rlcore takes no other loading options"),
 }

@@ -384,6 +384,20 @@ def test_entropy_bonus_settings_are_checked(items, expected):
     assert load_config(None, ["entropy_coef=-0.01"]).loss.entropy_coef == -0.01  # TRL's flat name; a penalty
 
 
+@pytest.mark.parametrize("items, expected", [
+    (["sync_ref_model=true"], r"loss\.sync_ref_model = true with loss\.beta = 0\.0: there is no reference model"),
+    (["loss.beta=0.04", "loss.sync_ref_model=true", "loss.ref_model_mixup_alpha=1.5"],
+     r"loss\.ref_model_mixup_alpha = 1\.5 must be in \[0, 1\]"),
+    (["loss.beta=0.04", "loss.sync_ref_model=true", "loss.ref_model_sync_steps=0"],
+     r"loss\.ref_model_sync_steps = 0 must be >= 1"),
+])
+def test_sync_ref_model_settings_are_checked(items, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, items)
+    lo = load_config(None, ["beta=0.04", "sync_ref_model=true", "ref_model_sync_steps=64"]).loss  # TRL's names
+    assert (lo.sync_ref_model, lo.ref_model_sync_steps, lo.ref_model_mixup_alpha) == (True, 64, 0.6)
+
+
 def test_reward_weights_length_must_match_reward_funcs():
     with pytest.raises(ConfigError, match=r"loss\.reward_weights = \[1\.0, 2\.0\] has 2 weight\(s\) but "
                                           r"loss\.reward_funcs = \['accuracy'\] has 1 function"):

@@ -8,7 +8,7 @@ import torch
 
 from conftest import FAMILIES, LLAMA3_ROPE
 from rlcore.checkpoint import CheckpointError, load_model
-from rlcore.model import KVCache, ModelConfig, padded_causal_mask, rope_inv_freq
+from rlcore.model import KVCache, ModelConfig, mix_into, padded_causal_mask, rope_inv_freq
 
 TOL = 1e-4
 
@@ -144,3 +144,20 @@ def test_incomplete_rope_scaling_is_named(scaling, message):
          "num_hidden_layers": 1, "num_attention_heads": 2, "rope_scaling": scaling}
     with pytest.raises(ValueError, match=r"config\.json: .*" + message):
         ModelConfig.from_hf(d)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama_tied"])
+def test_mix_into_is_the_tr_dpo_update_of_every_weight(family, hf_checkpoint):
+    """ref = alpha * policy + (1 - alpha) * ref, checked in fp64 against the two state dicts; a
+    tied embedding is one parameter, mixed once."""
+    path, _ = hf_checkpoint(family)
+    ref, policy = load_model(path), load_model(path)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p))
+    before = {k: v.double() for k, v in ref.state_dict().items()}
+    mix_into(ref, policy, 0.6)
+    for name, w in ref.state_dict().items():
+        want = 0.6 * policy.state_dict()[name].double() + 0.4 * before[name]
+        torch.testing.assert_close(w.double(), want, rtol=1e-6, atol=1e-6)
+    assert ref.lm_head_weight.data_ptr() != policy.lm_head_weight.data_ptr()

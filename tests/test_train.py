@@ -215,6 +215,48 @@ def test_beta_trains_against_the_initial_policy_and_logs_kl_ref(correction, tmp_
     assert seen and set(seen) == {correction}
 
 
+def test_sync_ref_model_mixes_the_policy_into_the_reference(tmp_path, embedded_dir):
+    # alpha = 1, every step: the reference becomes the policy after each step, so each round's
+    # KL to it starts at zero again (the test above: without a sync it does not).
+    run = tmp_path / "every"
+    train(config(run, "train.max_steps=3", "loss.beta=0.04", "loss.sync_ref_model=true",
+                 "loss.ref_model_sync_steps=1", "loss.ref_model_mixup_alpha=1.0"))
+    assert all(abs(r["kl_ref"]) < 1e-7 for r in rows(run)), [r["kl_ref"] for r in rows(run)]
+    # alpha = 0.5 at step 2 only: the checkpoint's reference is 0.5 policy_2 + 0.5 initial policy.
+    run = tmp_path / "half"
+    train(config(run, "train.max_steps=2", "loss.beta=0.04", "loss.sync_ref_model=true",
+                 "loss.ref_model_sync_steps=2", "loss.ref_model_mixup_alpha=0.5"))
+    ck = latest_checkpoint(run)
+    initial, policy, ref = (weights(p) for p in (embedded_dir, ck / "model", ck / "ref_model"))
+    for name, w in ref.items():
+        want = initial[name].clone().mul_(0.5).add_(policy[name], alpha=0.5)
+        torch.testing.assert_close(w, want, rtol=0, atol=0)
+    assert any(not torch.equal(initial[n], policy[n]) for n in initial)
+
+
+def test_a_synced_reference_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    steps = ["train.max_steps=4", "train.save_steps=2", "loss.beta=0.04", "loss.sync_ref_model=true",
+             "loss.ref_model_sync_steps=1", "loss.ref_model_mixup_alpha=0.6"]
+    assert main(cli_args(tmp_path / "a", *steps)) == 0
+    real = rlcore.train.save_checkpoint
+
+    def dies_at_step_4(run, step, *args, **kwargs):
+        if step == 4:
+            raise Killed
+        return real(run, step, *args, **kwargs)
+
+    monkeypatch.setattr(rlcore.train, "save_checkpoint", dies_at_step_4)
+    with pytest.raises(Killed):
+        main(cli_args(tmp_path / "b", *steps))
+    monkeypatch.undo()
+    assert (tmp_path / "b" / "checkpoint-2" / "ref_model").is_dir()
+    assert main(["train", "--resume", str(tmp_path / "b")]) == 0
+    for part in ("model", "ref_model"):
+        a, b = (weights(tmp_path / r / "checkpoint-4" / part) for r in "ab")
+        assert all(torch.equal(a[k], b[k]) for k in a), part
+    assert [r["kl_ref"] for r in rows(tmp_path / "b")] == [r["kl_ref"] for r in rows(tmp_path / "a")]
+
+
 def extra_and_metric(prompts, completions, log_extra, log_metric, **columns):
     """A TRL-style reward that logs a column at once, another one completion at a time (TRL
     appends), and a metric once per completion; it scores 0.5."""
