@@ -186,6 +186,40 @@ def test_a_trl_option_rlcore_cannot_honour_is_an_error_naming_what_to_set(line, 
         load_config(write(tmp_path, line + "\n"), [])
 
 
+def test_every_option_of_trl_grpo_config_is_an_rlcore_option_or_explained():
+    """TRL 1.16's GRPOConfig (with transformers' TrainingArguments) as the reference: no name of it
+    is an "unknown config key" in rlcore."""
+    trl = pytest.importorskip("trl", reason="TRL is the reference")
+    from rlcore import trl_options
+    from rlcore.config import FLAT_ALIASES, _owners
+
+    names = [f.name for f in dataclasses.fields(trl.GRPOConfig)]
+    assert len(names) > 150
+    unknown = [n for n in names if not (_owners(n) or n in FLAT_ALIASES or trl_options.explain(n, None) is not None)]
+    assert unknown == []
+
+
+@pytest.mark.parametrize("line, said", [
+    ("trust_remote_code = true", "rlcore runs its own Llama / Qwen2 / Qwen3 code"),
+    ("dataloader_num_workers = 4\ndataloader_pin_memory = true", "reads its prompts in the training process"),
+    ("hub_strategy = 'checkpoint'", "cannot reach a model hub"),
+])
+def test_trl_training_arguments_that_change_nothing_are_dropped_with_a_warning(line, said, tmp_path):
+    with pytest.warns(UserWarning, match=said):
+        load_config(write(tmp_path, line + "\n"), [])
+
+
+@pytest.mark.parametrize("line, fix", [
+    ("average_tokens_across_devices = false", r"dapo always counts the tokens of all ranks; leave it out or set it to True"),
+    ("neftune_noise_alpha = 5.0", r"no NEFTune noise"),
+    ("load_best_model_at_end = true", r"eval\.jsonl"),
+    ("use_transformers_paged = true", r"own engine"),
+])
+def test_trl_training_arguments_rlcore_cannot_honour_are_errors(line, fix, tmp_path):
+    with pytest.raises(ConfigError, match=fix):
+        load_config(write(tmp_path, line + "\n"), [])
+
+
 def test_transformers_5_mirrored_checkpointing_keys_load_and_a_conflict_is_named(tmp_path):
     """transformers 5 writes gradient_checkpointing and activation_checkpointing with one value."""
     both = "gradient_checkpointing = true\nactivation_checkpointing = true\n"
