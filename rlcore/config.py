@@ -106,6 +106,10 @@ class LossArgs:
     """how per-token losses are averaged over an optimizer step (SPEC section 5)"""
     policy_loss: Literal["ppo", "cispo", "sapo"] = "ppo"
     """per-token policy loss: PPO clipped ratio, CISPO (clipped IS weight), SAPO (soft gate)"""
+    sapo_temperature_pos: float = 1.0
+    """sapo: gate temperature for tokens with positive advantage"""
+    sapo_temperature_neg: float = 1.05
+    """sapo: gate temperature for tokens with negative advantage"""
     beta: float = 0.0
     """KL coefficient against the reference model (k3 estimator); 0.0 loads no reference model"""
     use_bias_correction_kl: bool = False
@@ -599,6 +603,8 @@ def validate(config: Config, world_size: int = 1) -> None:
     need(all(r.stop), f"rollout.stop = {r.stop!r} contains an empty string; remove it")
 
     need(lo.beta >= 0, f"loss.beta = {lo.beta} must be >= 0; 0.0 = no KL term")
+    for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+        need(getattr(lo, name) > 0, f"loss.{name} = {getattr(lo, name)} must be > 0 (TRL's defaults: 1.0 and 1.05)")
     if lo.sync_ref_model:
         need(lo.beta != 0, "loss.sync_ref_model = true with loss.beta = 0.0: there is no reference model to "
              "synchronize; set loss.beta (e.g. 0.04) or loss.sync_ref_model = false")

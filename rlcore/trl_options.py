@@ -66,8 +66,6 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     # loss
     "multi_objective_aggregation": (("sum_then_normalize",), "rlcore sums the weighted rewards, then normalises"),
     "off_policy_mask_threshold": ((None,), "rlcore has no off-policy sequence mask; see loss.tis_mode"),
-    "sapo_temperature_pos": ((1.0,), "loss.policy_loss = 'sapo' uses TRL's default temperatures (1.0, 1.05)"),
-    "sapo_temperature_neg": ((1.05,), "loss.policy_loss = 'sapo' uses TRL's default temperatures (1.0, 1.05)"),
     # models
     "model_init_kwargs": ((None,), "set the weights' dtype with model.dtype; rlcore takes no other loading options"),
     "trust_remote_code": (ANY, "rlcore runs its own Llama / Qwen2 / Qwen3 code, never a checkpoint's"),

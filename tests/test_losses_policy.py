@@ -171,13 +171,14 @@ def test_cispo_clip_metric_counts_capped_tokens_of_either_advantage_sign():
     assert metrics["clip_ratio/high"].item() == pytest.approx(1 / 4)
 
 
-def test_sapo_soft_gate_value_and_gradient():
+@pytest.mark.parametrize("tau_pos, tau_neg", [(1.0, 1.05), (2.0, 0.5)])
+def test_sapo_soft_gate_value_and_gradient(tau_pos, tau_neg):
     logp, old, adv, mask = setup([0.5, 1.5])
     loss, _ = policy_loss(logp, old, adv, mask, loss="sapo",
-                          sapo_temperature_pos=1.0, sapo_temperature_neg=1.05)
+                          sapo_temperature_pos=tau_pos, sapo_temperature_neg=tau_neg)
     sig = lambda x: 1 / (1 + math.exp(-x))
     want, want_grad = [], []
-    for a, tau in ((1.0, 1.0), (-1.0, 1.05)):
+    for a, tau in ((1.0, tau_pos), (-1.0, tau_neg)):
         want.append([-sig(tau * (r - 1)) * 4 / tau * a for r in (0.5, 1.5)])
         # d/dlogp: -A (4/tau) sig'(tau (r-1)) tau r = -4 A sig (1 - sig) r
         want_grad.append([-4 * a * sig(tau * (r - 1)) * (1 - sig(tau * (r - 1))) * r for r in (0.5, 1.5)])

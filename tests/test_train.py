@@ -215,6 +215,19 @@ def test_beta_trains_against_the_initial_policy_and_logs_kl_ref(correction, tmp_
     assert seen and set(seen) == {correction}
 
 
+def test_sapo_temperatures_reach_the_loss(tmp_path, monkeypatch):
+    seen, real = set(), rlcore.train.policy_loss
+
+    def spy(*args, **kwargs):
+        seen.add((kwargs["loss"], kwargs["sapo_temperature_pos"], kwargs["sapo_temperature_neg"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rlcore.train, "policy_loss", spy)
+    train(config(tmp_path / "run", "train.max_steps=1", "loss.policy_loss=sapo", "sapo_temperature_pos=2.0",
+                 "sapo_temperature_neg=0.5"))
+    assert seen == {("sapo", 2.0, 0.5)}
+
+
 def test_sync_ref_model_mixes_the_policy_into_the_reference(tmp_path, embedded_dir):
     # alpha = 1, every step: the reference becomes the policy after each step, so each round's
     # KL to it starts at zero again (the test above: without a sync it does not).
