@@ -170,6 +170,8 @@ class TrainArgs:
     """GA: micro-batches per optimizer step"""
     steps_per_generation: int | None = None
     """S: micro-batches per generation round; the round makes b * S * world_size completions; None = GA"""
+    generation_batch_size: int | None = None
+    """TRL's other way to set S: completions per round over all ranks (= b * S * world_size); None = from S"""
     max_steps: int = 100
     """optimizer steps to train for"""
     learning_rate: float = 1e-6
@@ -249,7 +251,13 @@ class Config:
                               "on the IS weight and it is left at epsilon; set "
                               "loss.epsilon_high=5.0 (the CISPO paper's value)", stacklevel=2)
             self.loss.epsilon_high = self.loss.epsilon
-        if self.train.steps_per_generation is None:
+        if self.train.generation_batch_size is not None:  # S is resolved for the world size: generation_steps()
+            if self.train.steps_per_generation is not None:
+                raise ConfigError(f"train.generation_batch_size = {self.train.generation_batch_size} and "
+                                  f"train.steps_per_generation = {self.train.steps_per_generation} are both set; "
+                                  f"they say the same thing (generation_batch_size = per_device_train_batch_size * "
+                                  f"steps_per_generation * world size), keep one (as TRL requires)")
+        elif self.train.steps_per_generation is None:
             self.train.steps_per_generation = self.train.gradient_accumulation_steps
         if self.rollout.seed is None:
             self.rollout.seed = self.train.seed
@@ -546,6 +554,14 @@ def _example(tp) -> str:
 
 # ---- validation ----
 
+def generation_steps(t: TrainArgs, world_size: int) -> int:
+    """S, micro-batches per generation round on each rank: train.steps_per_generation, or else
+    train.generation_batch_size / (per_device_train_batch_size * world_size), as TRL resolves it."""
+    if t.steps_per_generation is not None:
+        return t.steps_per_generation
+    return t.generation_batch_size // max(1, t.per_device_train_batch_size * world_size)
+
+
 def validate(config: Config, world_size: int = 1) -> None:
     """Check ranges and batch-size consistency (SPEC section 1); raise one ConfigError listing every problem."""
     problems = []
@@ -556,7 +572,14 @@ def validate(config: Config, world_size: int = 1) -> None:
             problems.append(msg)
 
     G, b = r.num_generations, t.per_device_train_batch_size
-    GA, S = t.gradient_accumulation_steps, t.steps_per_generation
+    GA, S = t.gradient_accumulation_steps, generation_steps(t, world_size)
+    if t.steps_per_generation is None:  # set by train.generation_batch_size
+        gbs, per_round = t.generation_batch_size, b * world_size
+        if gbs < 1 or per_round < 1 or gbs % per_round:
+            problems.append(f"train.generation_batch_size = {gbs} must be a positive multiple of "
+                            f"per_device_train_batch_size * world size = {b} * {world_size} = {per_round}; set it "
+                            f"to {max(1, per_round) * max(1, GA)} (steps_per_generation = GA = {GA}) or leave it unset")
+            S = GA
     need(G >= 2, f"rollout.num_generations = {G} must be >= 2: advantages compare completions "
                  f"of the same prompt; use 8 (TRL's default)")
     for key, v in (("per_device_train_batch_size", b), ("gradient_accumulation_steps", GA),

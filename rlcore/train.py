@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from rlcore.checkpoint import latest_checkpoint, load_model, load_trainer_state, save_checkpoint
-from rlcore.config import Config, validate
+from rlcore.config import Config, generation_steps, validate
 from rlcore import distributed
 from rlcore.data import encode_prompts, load_examples
 from rlcore.embedded import build_embedded_model
@@ -211,7 +211,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
 
     # Batch geometry (SPEC 1): one round = b*S*P completions = that / G prompts x G samples.
     G, b, GA, mu = rc.num_generations, t.per_device_train_batch_size, t.gradient_accumulation_steps, lc.num_iterations
-    S = t.steps_per_generation or GA
+    S = generation_steps(t, world)  # train.steps_per_generation (or TRL's generation_batch_size)
     N = b * S * world  # completions per round, all ranks; this rank owns rows [rank*b*S, (rank+1)*b*S)
     mine = slice(rank * b * S, (rank + 1) * b * S)
     steps_per_round = S * mu // GA

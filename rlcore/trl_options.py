@@ -51,8 +51,6 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     # generation
     "use_vllm": ((False,), "rlcore generates with its own engine (rlcore.rollout), set up under [rollout]"),
     "generation_kwargs": ((None,), "set sampling with rollout.temperature, top_p, top_k, min_p and stop"),
-    "generation_batch_size": ((None,), "set train.steps_per_generation = generation_batch_size / "
-                                       "(per_device_train_batch_size * world size)"),
     "vllm_importance_sampling_correction": ((False,), "rlcore's rollout engine is not vLLM; for truncated "
                                                       "importance sampling set loss.tis_mode (TRL's "
                                                       "vllm_importance_sampling_mode) and loss.tis_max (its cap)"),

@@ -56,6 +56,24 @@ def test_steps_per_generation_defaults_to_gradient_accumulation_steps():
     assert c.train.steps_per_generation == 4
 
 
+def test_generation_batch_size_sets_steps_per_generation_for_the_world_size():
+    """TRL's rule: steps_per_generation = generation_batch_size / (per_device_train_batch_size * ranks)."""
+    from rlcore.config import generation_steps
+
+    base = ["train.per_device_train_batch_size=8", "train.gradient_accumulation_steps=2", "rollout.num_generations=4"]
+    c = load_config(None, [*base, "generation_batch_size=32"])
+    assert c.train.steps_per_generation is None and generation_steps(c.train, 1) == 4
+    assert generation_steps(load_config(None, [*base, "generation_batch_size=32"], world_size=2).train, 2) == 2
+    assert generation_steps(load_config(None, base).train, 1) == 2  # unset: GA
+    with pytest.raises(ConfigError, match=r"train\.generation_batch_size = 20 must be a positive multiple of "
+                                          r"per_device_train_batch_size \* world size = 8 \* 1 = 8; set it to 16"):
+        load_config(None, [*base, "generation_batch_size=20"])
+    with pytest.raises(ConfigError, match=r"train\.steps_per_generation = 3 is not a multiple of .*gradient_acc"):
+        load_config(None, [*base, "generation_batch_size=24"])
+    with pytest.raises(ConfigError, match=r"generation_batch_size = 32 and train\.steps_per_generation = 4 are both set"):
+        load_config(None, [*base, "generation_batch_size=32", "steps_per_generation=4"])
+
+
 def test_epsilon_high_defaults_to_epsilon():
     assert load_config(None, ["loss.epsilon=0.3"]).loss.epsilon_high == 0.3
 
@@ -170,7 +188,6 @@ def test_a_trl_config_loads_and_says_what_it_ignores(tmp_path):
 @pytest.mark.parametrize("line, fix", [
     ("use_vllm = true", r"use_vllm = True is not an rlcore option: rlcore generates with its own engine"),
     ("num_train_epochs = 3", r"num_train_epochs = 3 .*set train\.max_steps"),
-    ("generation_batch_size = 64", r"train\.steps_per_generation = generation_batch_size /"),
     ("vllm_importance_sampling_correction = true", r"loss\.tis_mode .*loss\.tis_max"),
     ("fp16 = true", r"set train\.bf16 = true"),
     ("off_policy_mask_threshold = 0.5", r"off_policy_mask_threshold = 0\.5 .*see loss\.tis_mode; leave it out"),

@@ -215,6 +215,16 @@ def test_beta_trains_against_the_initial_policy_and_logs_kl_ref(correction, tmp_
     assert seen and set(seen) == {correction}
 
 
+def test_generation_batch_size_runs_the_rounds_steps_per_generation_would(tmp_path):
+    # b = 16: TRL's generation_batch_size = 32 is steps_per_generation = 2 (two steps per round).
+    runs = {"gbs": "generation_batch_size=32", "spg": "train.steps_per_generation=2"}
+    for name, option in runs.items():
+        train(config(tmp_path / name, "train.max_steps=2", option))
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(TIMING)}  # noqa: E731
+    got = [[strip(r) for r in rows(tmp_path / name)] for name in runs]
+    assert got[0] == got[1] and [r["kl_old/k1"] != 0 for r in got[0]] == [False, True]  # step 2 off-policy
+
+
 def test_sapo_temperatures_reach_the_loss(tmp_path, monkeypatch):
     seen, real = set(), rlcore.train.policy_loss
 
