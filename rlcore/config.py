@@ -173,7 +173,9 @@ class TrainArgs:
     generation_batch_size: int | None = None
     """TRL's other way to set S: completions per round over all ranks (= b * S * world_size); None = from S"""
     max_steps: int = 100
-    """optimizer steps to train for"""
+    """optimizer steps to train for; -1 = num_train_epochs passes over the training prompts (TRL's)"""
+    num_train_epochs: float = 3.0
+    """passes over the training prompts when max_steps = -1 (a config giving this without max_steps sets -1)"""
     learning_rate: float = 1e-6
     """peak AdamW learning rate"""
     lr_scheduler_type: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "constant"
@@ -273,6 +275,8 @@ class Config:
             section_cls = SECTIONS[name]
             hints = typing.get_type_hints(section_cls)
             kwargs = {}
+            if name == "train" and "num_train_epochs" in values and "max_steps" not in values:
+                values = {**values, "max_steps": -1}  # TRL's default max_steps: count the epochs
             for key, value in values.items():
                 if name == "train" and key == "warmup_steps" and isinstance(value, float) and 0 < value < 1:
                     if "warmup_ratio" in values:
@@ -339,6 +343,7 @@ def _toml_string(s: str) -> str:
 
 def load_config(path: str | None = None, overrides: list[str] = (), world_size: int = 1) -> Config:
     """Defaults, then the TOML file at `path` (None: none), then each `section.key=value` override.
+    A layer that sets train.num_train_epochs without train.max_steps sets max_steps = -1 (count epochs).
 
     An override's value is read as a TOML literal (`0.04`, `true`, `["a", "b"]`), and as a bare
     string when it is not one (`model.path=/ckpt/qwen`); `none` sets an optional field to None.
@@ -363,9 +368,13 @@ def load_config(path: str | None = None, overrides: list[str] = (), world_size: 
         except OSError as e:
             raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
     d = normalize(d)
+    given = set()
     for item in overrides:
         section, key, value = parse_override(item)
         d.setdefault(section, {})[key] = value
+        given.add((section, key))
+    if ("train", "num_train_epochs") in given and ("train", "max_steps") not in given:
+        d["train"]["max_steps"] = -1  # the overrides mean the epochs, whatever the file's max_steps
     config = Config.from_dict(d)
     validate(config, world_size)
     return config
@@ -562,6 +571,17 @@ def generation_steps(t: TrainArgs, world_size: int) -> int:
     return t.generation_batch_size // max(1, t.per_device_train_batch_size * world_size)
 
 
+def epoch_steps(num_prompts: int, prompts_per_round: int, steps_per_round: int, epochs: float) -> int:
+    """Optimizer steps for `epochs` passes over `num_prompts` training prompts, counted as TRL does:
+    ceil(epochs * whole rounds per pass * optimizer steps per round)."""
+    rounds = num_prompts // prompts_per_round
+    if rounds == 0:
+        raise ConfigError(f"train.num_train_epochs: the {num_prompts} training prompts are fewer than one round's "
+                          f"{prompts_per_round} (per_device_train_batch_size * steps_per_generation * world size / "
+                          f"num_generations); add prompts or set train.max_steps")
+    return max(1, math.ceil(epochs * rounds * steps_per_round))
+
+
 def validate(config: Config, world_size: int = 1) -> None:
     """Check ranges and batch-size consistency (SPEC section 1); raise one ConfigError listing every problem."""
     problems = []
@@ -680,8 +700,10 @@ def validate(config: Config, world_size: int = 1) -> None:
          f"train.num_completions_to_print = {t.num_completions_to_print} must be >= 0, or none to print all")
     need(t.save_total_limit is None or t.save_total_limit >= 1,
          f"train.save_total_limit = {t.save_total_limit} must be >= 1, or none to keep every checkpoint")
-    need(t.max_steps >= 1, f"train.max_steps = {t.max_steps} must be >= 1 (rlcore counts optimizer steps; "
-         "TRL's -1, train for num_train_epochs, has no equivalent)")
+    need(t.max_steps >= 1 or t.max_steps == -1, f"train.max_steps = {t.max_steps} must be >= 1, or -1 to train "
+         f"for train.num_train_epochs passes over the prompts")
+    need(t.max_steps != -1 or t.num_train_epochs > 0, f"train.num_train_epochs = {t.num_train_epochs} must be > 0 "
+         f"(with train.max_steps = -1 it sets the run's length)")
     need(t.learning_rate >= 0, f"train.learning_rate = {t.learning_rate} must be >= 0")
     need(0 <= t.warmup_ratio < 1, f"train.warmup_ratio = {t.warmup_ratio} must be in [0, 1)")
     need(t.warmup_steps >= 0, f"train.warmup_steps = {t.warmup_steps} must be >= 0")

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from rlcore.checkpoint import latest_checkpoint, load_model, load_trainer_state, save_checkpoint
-from rlcore.config import Config, generation_steps, validate
+from rlcore.config import Config, epoch_steps, generation_steps, validate
 from rlcore import distributed
 from rlcore.data import encode_prompts, load_examples
 from rlcore.embedded import build_embedded_model
@@ -215,11 +215,17 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
     N = b * S * world  # completions per round, all ranks; this rank owns rows [rank*b*S, (rank+1)*b*S)
     mine = slice(rank * b * S, (rank + 1) * b * S)
     steps_per_round = S * mu // GA
+    max_steps = t.max_steps if t.max_steps > 0 else epoch_steps(len(train_set), N // G, steps_per_round,
+                                                                 t.num_train_epochs)  # TRL's max_steps = -1
+    if main and t.max_steps == -1:
+        print(f"num_train_epochs = {t.num_train_epochs}: {len(train_set)} prompts, {len(train_set) // (N // G)} "
+              f"whole rounds of {N // G} per pass, {steps_per_round} optimizer step(s) per round: "
+              f"max_steps = {max_steps}", flush=True)
     off_policy = mu > 1 or S > GA
     amp = t.bf16  # bf16 autocast for the training forward passes, and a bf16 rollout
 
     opt = adamw(model, t)
-    schedule = lr_lambda(cfg, t.max_steps)
+    schedule = lr_lambda(cfg, max_steps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     sampler = torch.Generator(device=device).manual_seed(rc.seed + rank)  # rollout sampling
     shuffler = torch.Generator(device=device).manual_seed(t.seed)   # micro-batch order
@@ -262,7 +268,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
             (run / "completions.jsonl").unlink(missing_ok=True)  # a crashed attempt's, before any checkpoint
             record_eval(run, 0, before)
 
-    while step < t.max_steps:
+    while step < max_steps:
         # 1. Rollout: G samples per prompt, token ids in and out. Every rank draws the same
         # round of prompts and samples the rows it owns (a group may straddle two ranks).
         t0 = time.time()
@@ -283,7 +289,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
         completion_ids = [c[:n].tolist() for c, n in zip(ro.completion_ids, ro.lengths)]
         logged, extra = defaultdict(list), {}  # what reward functions report (log_metric, log_extra)
         trl_kwargs = {"completion_ids": completion_ids,
-                      "trainer_state": RewardState(step, t.max_steps),
+                      "trainer_state": RewardState(step, max_steps),
                       "log_metric": lambda name, value: logged[name].append(float(value)),
                       "log_extra": lambda column, values: extra.setdefault(column, []).extend(values)}
         R = score_completions(reward_funcs, prompts, completions, values, lc.reward_on_error, trl_kwargs)
@@ -435,20 +441,20 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                         f.write(json.dumps({k_: None if isinstance(v, float) and not math.isfinite(v) else v
                                             for k_, v in met.items()}) + "\n")  # strict JSON: NaN -> null
                 if main and (step % t.logging_steps == 0 or step == 1):
-                    print(log_line(step, t.max_steps, met), flush=True)
+                    print(log_line(step, max_steps, met), flush=True)
                 step_metrics, t_update = [], time.time()
-                if step >= t.max_steps:
+                if step >= max_steps:
                     break
-            if step >= t.max_steps:
+            if step >= max_steps:
                 break
 
         # Eval and checkpoint at round boundaries (a checkpoint never holds half a round).
-        if t.eval_steps and step % t.eval_steps < steps_per_round and step < t.max_steps:
+        if t.eval_steps and step % t.eval_steps < steps_per_round and step < max_steps:
             accuracy = evaluate(model, tok, eval_set, accuracy_fn, t.eval_max_completion_length,
                                 rank=rank, world=world, device=device)
             if main:
                 record_eval(run, step, accuracy)
-        if (t.save_steps and step % t.save_steps < steps_per_round) or step >= t.max_steps:
+        if (t.save_steps and step % t.save_steps < steps_per_round) or step >= max_steps:
             distributed.check_replicas_agree(model, world)
             samplers = distributed.gather_objects(sampler.get_state(), world)
             if main:
@@ -460,7 +466,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                 save_checkpoint(run, step, model, Path(model_dir), state, t.save_total_limit, ref if synced else None)
 
     if main and step % steps_per_round:
-        print(f"note: max_steps={t.max_steps} ended the run inside a round of {steps_per_round} optimizer "
+        print(f"note: max_steps={max_steps} ended the run inside a round of {steps_per_round} optimizer "
               f"steps; a --resume with a larger max_steps starts a new round (the rest of this one is "
               f"not replayed)", flush=True)
     after = evaluate(model, tok, eval_set, accuracy_fn, t.eval_max_completion_length,

@@ -57,9 +57,6 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     "vllm_importance_sampling_mode": (ANY, "rlcore's rollout engine is not vLLM; its equivalent is loss.tis_mode"),
     "vllm_importance_sampling_cap": (ANY, "rlcore's rollout engine is not vLLM; its equivalent is loss.tis_max"),
     # run length and schedule
-    "num_train_epochs": ((), "rlcore counts optimizer steps: set train.max_steps (one pass over P prompts takes "
-                             "P * num_generations / (per_device_train_batch_size * gradient_accumulation_steps "
-                             "* world size) steps)"),
     "lr_scheduler_kwargs": ((None,), "rlcore's schedules (train.lr_scheduler_type) take no arguments"),
     # loss
     "multi_objective_aggregation": (("sum_then_normalize",), "rlcore sums the weighted rewards, then normalises"),

@@ -74,6 +74,30 @@ def test_generation_batch_size_sets_steps_per_generation_for_the_world_size():
         load_config(None, [*base, "generation_batch_size=32", "steps_per_generation=4"])
 
 
+def test_num_train_epochs_without_max_steps_means_count_the_epochs(tmp_path):
+    """TRL's max_steps defaults to -1 (train num_train_epochs passes); rlcore's to 100. A layer that
+    gives num_train_epochs and no max_steps means the epochs; max_steps given as well wins (as in TRL)."""
+    t = load_config(write(tmp_path, "num_train_epochs = 2\n"), []).train
+    assert (t.max_steps, t.num_train_epochs) == (-1, 2.0)
+    t = load_config(write(tmp_path, "num_train_epochs = 2\nmax_steps = 10\n"), []).train
+    assert t.max_steps == 10
+    t = load_config(write(tmp_path, "max_steps = 50\n"), ["num_train_epochs=1"]).train  # the later layer
+    assert (t.max_steps, t.num_train_epochs) == (-1, 1.0)
+    t = load_config(None, ["train.max_steps=7", "num_train_epochs=1"]).train
+    assert t.max_steps == 7
+    assert load_config(None, ["max_steps=-1"]).train.num_train_epochs == 3.0  # TRL's default
+
+
+def test_epoch_steps_counts_whole_rounds_as_trl_does():
+    from rlcore.config import epoch_steps
+
+    assert epoch_steps(256, 4, 1, 1.0) == 64
+    assert epoch_steps(21, 2, 2, 1.5) == 30    # 10 whole rounds (the 21st prompt is dropped), 2 steps each
+    assert epoch_steps(21, 2, 2, 0.01) == 1
+    with pytest.raises(ConfigError, match=r"the 3 training prompts are fewer than one round's 4"):
+        epoch_steps(3, 4, 1, 1.0)
+
+
 def test_epsilon_high_defaults_to_epsilon():
     assert load_config(None, ["loss.epsilon=0.3"]).loss.epsilon_high == 0.3
 
@@ -187,7 +211,6 @@ def test_a_trl_config_loads_and_says_what_it_ignores(tmp_path):
 
 @pytest.mark.parametrize("line, fix", [
     ("use_vllm = true", r"use_vllm = True is not an rlcore option: rlcore generates with its own engine"),
-    ("num_train_epochs = 3", r"num_train_epochs = 3 .*set train\.max_steps"),
     ("vllm_importance_sampling_correction = true", r"loss\.tis_mode .*loss\.tis_max"),
     ("fp16 = true", r"set train\.bf16 = true"),
     ("off_policy_mask_threshold = 0.5", r"off_policy_mask_threshold = 0\.5 .*see loss\.tis_mode; leave it out"),
@@ -195,7 +218,8 @@ def test_a_trl_config_loads_and_says_what_it_ignores(tmp_path):
     ("[train]\nuse_cpu = true", r"set train\.device = 'cpu'"),
     ("loss_type = 'cispo'", r"loss_type = 'cispo' is TRL's name for loss\.policy_loss = 'cispo' with loss\.loss_type = 'dapo'"),
     ("loss_type = 'sapo'", r"loss\.policy_loss = 'sapo' with loss\.loss_type = 'grpo'"),
-    ("max_steps = -1", r"max_steps = -1 must be >= 1 \(rlcore counts optimizer steps"),
+    ("max_steps = 0", r"max_steps = 0 must be >= 1, or -1 to train for train\.num_train_epochs"),
+    ("max_steps = -1\nnum_train_epochs = 0", r"train\.num_train_epochs = 0\.0 must be > 0"),
     ("warmup_steps = 0.1\nwarmup_ratio = 0.2", r"warmup_steps = 0\.1 \(a ratio.*warmup_ratio = 0\.2 are both set"),
 ])
 def test_a_trl_option_rlcore_cannot_honour_is_an_error_naming_what_to_set(line, fix, tmp_path):

@@ -225,6 +225,17 @@ def test_generation_batch_size_runs_the_rounds_steps_per_generation_would(tmp_pa
     assert got[0] == got[1] and [r["kl_old/k1"] != 0 for r in got[0]] == [False, True]  # step 2 off-policy
 
 
+def test_num_train_epochs_sets_the_run_length(tmp_path, capsys):
+    # 256 prompts, rounds of 16 completions / G = 4 = 4 prompts, one step per round: 64 steps per
+    # pass; 0.05 of a pass is ceil(3.2) = 4 steps (the default config's max_steps = 300 gives way).
+    run = tmp_path / "run"
+    train(config(run, "num_train_epochs=0.05"))
+    assert [r["step"] for r in rows(run)] == [1, 2, 3, 4]
+    assert latest_checkpoint(run).name == "checkpoint-4"
+    assert "num_train_epochs = 0.05: 256 prompts, 64 whole rounds of 4 per pass, 1 optimizer step(s) per round: " \
+           "max_steps = 4" in capsys.readouterr().out
+
+
 def test_sapo_temperatures_reach_the_loss(tmp_path, monkeypatch):
     seen, real = set(), rlcore.train.policy_loss
 

@@ -229,3 +229,33 @@ def test_chat_template_kwargs_render_prompts_as_transformers_does(qwen_dir, gsm8
     monkeypatch.setattr(rlcore.train, "encode_prompts", lambda *a: seen.append(a[-1]) or real(*a))
     train(cfg)
     assert seen == [{"enable_thinking": False}] * 2  # the training and the held-out prompts
+
+
+@pytest.mark.parametrize("prompts, b, ga, spg, mu, epochs", [
+    (21, 4, 2, 2, 2, 1.5),   # 10 whole rounds of 2 prompts (one prompt left over), 2 steps per round
+    (40, 8, 1, 2, 1, 1.0),   # 2 steps per round
+    (13, 4, 1, 1, 3, 0.4),   # a fraction of an epoch, mu = 3
+])
+def test_num_train_epochs_gives_the_steps_trl_trains_for(prompts, b, ga, spg, mu, epochs, qwen_dir, tmp_path):
+    """TRL's GRPOTrainer as the reference: the optimizer steps transformers' Trainer derives from
+    num_train_epochs with max_steps = -1 (its RepeatSampler's dataloader, GA, num_iterations)."""
+    trl = pytest.importorskip("trl", reason="TRL is the reference")
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from rlcore.config import epoch_steps, generation_steps
+
+    G = 4
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=b, gradient_accumulation_steps=ga,
+                          steps_per_generation=spg, num_iterations=mu, num_generations=G, num_train_epochs=epochs,
+                          use_cpu=True, bf16=False, report_to="none", use_vllm=False, max_completion_length=4)
+    trainer = trl.GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(qwen_dir), reward_funcs=brevity, args=args,
+                              train_dataset=Dataset.from_dict({"prompt": [f"p{i}" for i in range(prompts)]}),
+                              processing_class=AutoTokenizer.from_pretrained(qwen_dir))
+    trl_steps = trainer.set_initial_training_values(trainer.args, trainer.get_train_dataloader())[-1]
+
+    cfg = load_config(None, [f"train.per_device_train_batch_size={b}", f"train.gradient_accumulation_steps={ga}",
+                             f"train.steps_per_generation={spg}", f"loss.num_iterations={mu}",
+                             f"rollout.num_generations={G}", f"num_train_epochs={epochs}"])
+    S = generation_steps(cfg.train, 1)
+    assert cfg.train.max_steps == -1
+    assert epoch_steps(prompts, b * S // G, S * mu // ga, epochs) == trl_steps
