@@ -134,6 +134,8 @@ class LossArgs:
     """exclude completions that hit max_completion_length without EOS from the loss"""
     top_entropy_quantile: float = 1.0
     """train only on the tokens in this top fraction of entropy (1.0 = all tokens)"""
+    off_policy_mask_threshold: float | None = None
+    """DeepSeek-V3.2: drop negative-advantage sequences whose mean KL(rollout || policy) exceeds this (None = off)"""
     entropy_coef: float = 0.0
     """entropy bonus: loss -= entropy_coef x mean token entropy (TRL's; same scale for every loss_type; 0.0 = off)"""
     use_adaptive_entropy: bool = False
@@ -646,6 +648,8 @@ def validate(config: Config, world_size: int = 1) -> None:
     need(all(r.stop), f"rollout.stop = {r.stop!r} contains an empty string; remove it")
 
     need(lo.beta >= 0, f"loss.beta = {lo.beta} must be >= 0; 0.0 = no KL term")
+    need(lo.off_policy_mask_threshold is None or lo.off_policy_mask_threshold > 0,
+         f"loss.off_policy_mask_threshold = {lo.off_policy_mask_threshold} must be > 0 (e.g. 0.5), or none for off")
     for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
         need(getattr(lo, name) > 0, f"loss.{name} = {getattr(lo, name)} must be > 0 (TRL's defaults: 1.0 and 1.05)")
     if lo.sync_ref_model:

@@ -376,7 +376,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                     epsilon=lc.epsilon, epsilon_high=lc.epsilon_high, delta=lc.delta,
                     ref=None if ref_lp is None else ref_lp[r], beta=lc.beta,
                     use_bias_correction_kl=lc.use_bias_correction_kl, sapo_temperature_pos=lc.sapo_temperature_pos,
-                    sapo_temperature_neg=lc.sapo_temperature_neg,
+                    sapo_temperature_neg=lc.sapo_temperature_neg, samp=samp[r],
+                    off_policy_mask_threshold=lc.off_policy_mask_threshold,
                     tis_weights=None if tis is None else tis[r], entropy=entropy.detach(),
                     top_entropy_quantile=lc.top_entropy_quantile)
                 loss = aggregate_loss(l, mask[r], lc.loss_type, gradient_accumulation_steps=GA,

@@ -213,7 +213,7 @@ def test_a_trl_config_loads_and_says_what_it_ignores(tmp_path):
     ("use_vllm = true", r"use_vllm = True is not an rlcore option: rlcore generates with its own engine"),
     ("vllm_importance_sampling_correction = true", r"loss\.tis_mode .*loss\.tis_max"),
     ("fp16 = true", r"set train\.bf16 = true"),
-    ("off_policy_mask_threshold = 0.5", r"off_policy_mask_threshold = 0\.5 .*see loss\.tis_mode; leave it out"),
+    ("multi_objective_aggregation = 'normalize_then_sum'", r"rlcore sums the weighted rewards, then normalises"),
     ("generation_kwargs = {max_tokens = 3}", r"generation_kwargs = .*rollout\.temperature"),
     ("[train]\nuse_cpu = true", r"set train\.device = 'cpu'"),
     ("loss_type = 'cispo'", r"loss_type = 'cispo' is TRL's name for loss\.policy_loss = 'cispo' with loss\.loss_type = 'dapo'"),
@@ -441,6 +441,7 @@ def test_num_generations_below_two_is_an_error():
     ("loss.top_entropy_quantile=0", r"loss\.top_entropy_quantile = 0\.0 must be in \(0, 1\]"),
     ("loss.delta=0.5", r"loss\.delta = 0\.5 must be > 1"),
     ("loss.beta=-1", r"loss\.beta = -1\.0 must be >= 0"),
+    ("loss.off_policy_mask_threshold=0", r"loss\.off_policy_mask_threshold = 0\.0 must be > 0"),
 ])
 def test_out_of_range_value_is_named(item, expected):
     with pytest.raises(ConfigError, match=expected):

@@ -325,3 +325,38 @@ def test_beta_without_ref_raises():
     logp, old, adv, mask = setup()
     with pytest.raises(ValueError, match="needs ref"):
         policy_loss(logp, old, adv, mask, beta=0.04)
+
+
+# Off-policy sequence mask (DeepSeek-V3.2, TRL's off_policy_mask_threshold) ---------------------
+
+def test_off_policy_mask_drops_only_negative_advantage_sequences_beyond_the_kl_threshold():
+    """Rows: (A, mean over valid tokens of samp - logp): keep unless A < 0 and the mean > delta."""
+    logp = torch.zeros(5, 3, dtype=torch.float64)
+    samp = torch.tensor([[0.9, 0.9, 0.0],      # A < 0, KL 0.6 (last token padding) > 0.5: dropped
+                         [0.6, 0.3, 0.6],      # A < 0, KL 0.5: kept (<= threshold)
+                         [2.0, 2.0, 2.0],      # A = 0, KL 2: kept (A >= 0)
+                         [3.0, 3.0, 3.0],      # A > 0: kept
+                         [0.0, 0.0, 0.0]], dtype=torch.float64)  # A < 0, all padding: KL 0, kept
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 1, 1], [0, 0, 0]], dtype=torch.float64)
+    adv = torch.tensor([-1.0, -1.0, 0.0, 2.0, -1.0], dtype=torch.float64)
+    from rlcore.losses.policy import off_policy_mask
+
+    got = off_policy_mask(adv, logp, samp, mask, 0.5)
+    assert got.shape == (5, 1) and got[:, 0].tolist() == [0.0, 1.0, 1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("loss", ["ppo", "cispo", "sapo"])
+def test_off_policy_mask_zeroes_the_policy_term_of_dropped_rows_but_not_the_kl(loss):
+    logp, old, adv, mask = setup()
+    samp = torch.tensor([[2.0] * 4, [2.0] * 4], dtype=torch.float64)  # KL ~ 2 - mean logp > 0.5 in both rows
+    ref = torch.full_like(logp, -0.3)
+    kwargs = dict(loss=loss, epsilon_high=5.0 if loss == "cispo" else None, ref=ref, beta=0.1)
+    plain, _ = policy_loss(logp, old, adv, mask, **kwargs)
+    masked, m = policy_loss(logp, old, adv, mask, **kwargs, samp=samp, off_policy_mask_threshold=0.5)
+    kl = 0.1 * (torch.exp(ref - logp) - (ref - logp) - 1)
+    assert_close(masked[0], plain[0])           # A = +1: kept
+    assert_close(masked[1], kl[1].detach())     # A = -1: only the KL term is left
+    assert_close(grad_of(masked, logp)[1], grad_of(kl, logp)[1])
+    assert m["off_policy_mask/kept"].item() == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="off_policy_mask_threshold=0.5 needs samp"):
+        policy_loss(logp, old, adv, mask, off_policy_mask_threshold=0.5)

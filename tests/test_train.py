@@ -464,6 +464,33 @@ def test_adaptive_entropy_control_steps_its_coefficient_and_resumes_it(tmp_path,
     assert [r["entropy_coef"] for r in rows(tmp_path / "b")] == [r["entropy_coef"] for r in rows(tmp_path / "a")]
 
 
+def test_off_policy_mask_drops_negative_advantage_rows_the_engine_sampled_far_off_policy(tmp_path, monkeypatch):
+    # Engine log-probs shifted up by 1: every sequence's KL(engine || policy) estimate is ~1 > 0.5,
+    # so exactly the rows with a negative advantage lose their policy term.
+    import dataclasses
+
+    real_generate, real_loss, seen = rlcore.train.generate, rlcore.train.policy_loss, []
+
+    def generate_shifted(*args, **kwargs):
+        ro = real_generate(*args, **kwargs)
+        return dataclasses.replace(ro, sampling_logprobs=ro.sampling_logprobs + 1.0)
+
+    def spy(logp, old, adv, mask, **kwargs):
+        per_token, m = real_loss(logp, old, adv, mask, **kwargs)
+        seen.append((adv, per_token.detach(), mask))
+        return per_token, m
+
+    monkeypatch.setattr(rlcore.train, "generate", generate_shifted)
+    monkeypatch.setattr(rlcore.train, "policy_loss", spy)
+    run = tmp_path / "run"
+    train(config(run, "train.max_steps=2", "off_policy_mask_threshold=0.5"))
+    for adv, per_token, mask in seen:
+        assert (per_token[adv < 0] == 0).all()
+        assert ((per_token[adv > 0] * mask[adv > 0]).abs().sum(-1) > 0).all()
+    assert any((adv < 0).any() for adv, _, _ in seen)
+    assert all(0 < r["off_policy_mask/kept"] < 1 for r in rows(run))
+
+
 def test_bf16_on_cpu_trains_with_a_bf16_rollout(tmp_path, monkeypatch):
     # train.bf16: rollout in bf16, trainer forwards under bf16 autocast (log-probs in fp32). The
     # loop measures engine vs trainer log-probs (with mu = 2 from the old pass): in fp32 they

@@ -14,12 +14,14 @@ from rlcore.losses.policy import (
     entropy_mask,
     importance_weights,
     mask_truncated,
+    off_policy_mask,
     policy_loss,
     tis_weights,
 )
 
 __all__ = [
-    "EntropyBonus", "LOSS_TYPES", "aggregate_loss", "check_loss_options", "compute_advantages", "entropy_mask",
-    "importance_weights", "mask_truncated", "masked_mean", "mean_entropy", "policy_loss", "rollout_mismatch",
-    "score_completions", "tis_weights", "token_logprobs",
+    "aggregate_loss", "check_loss_options", "compute_advantages", "entropy_mask", "EntropyBonus",
+    "importance_weights", "LOSS_TYPES", "mask_truncated", "masked_mean", "mean_entropy",
+    "off_policy_mask", "policy_loss", "rollout_mismatch", "score_completions", "tis_weights",
+    "token_logprobs",
 ]

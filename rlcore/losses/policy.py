@@ -60,6 +60,17 @@ def _gather_across_ranks(x: Tensor) -> Tensor:
 
 
 @torch.no_grad()
+@torch.no_grad()
+def off_policy_mask(advantages: Tensor, logp: Tensor, samp: Tensor, mask: Tensor, threshold: float) -> Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (arXiv:2512.02556, eq. 9; TRL's
+    off_policy_mask_threshold): drop a sequence whose advantage is negative and whose mean
+    per-token KL(sampling policy || current), estimated as mean_t (samp - logp) over its valid
+    tokens, exceeds `threshold`. advantages [B], logp, samp, mask [B, T] -> float [B, 1] (1 = keep).
+    """
+    kl = ((samp - logp) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((advantages[:, None] >= 0) | (kl <= threshold)).to(logp.dtype)
+
+
 def entropy_mask(entropy: Tensor, mask: Tensor, top_entropy_quantile: float) -> Tensor:
     """Keep the top `top_entropy_quantile` fraction of valid tokens by entropy ("Beyond the 80/20
     rule", 2506.01939): tau = quantile(H over valid tokens of all ranks, 1 - rho); keep H >= tau.
@@ -159,13 +170,16 @@ def policy_loss(
     top_entropy_quantile: float = 1.0,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
+    samp: Tensor | None = None,
+    off_policy_mask_threshold: float | None = None,
 ) -> tuple[Tensor, dict]:
     """Per-token loss l [B, T] and diagnostics, before aggregation (see module docstring).
 
     logp [B, T] current policy (with grad), old [B, T] pi_old (no grad; logp.detach() on-policy),
     advantages [B], mask [B, T], ref [B, T] reference log-probs (needed when beta != 0),
     tis_weights [B, T] or [B, 1] from `tis_weights`, entropy [B, T] of the current policy
-    (needed when top_entropy_quantile < 1). epsilon_high defaults to epsilon; for cispo it is
+    (needed when top_entropy_quantile < 1), samp [B, T] the rollout engine's log-probs (needed
+    with off_policy_mask_threshold). epsilon_high defaults to epsilon; for cispo it is
     an absolute cap on the ratio (recommended 5.0). use_bias_correction_kl multiplies the KL
     term by the ratio (TRL's option of that name). Option names and risky combinations are
     checked once by `check_loss_options`, not per micro-batch.
@@ -173,7 +187,7 @@ def policy_loss(
     clip_ratio/low, /high, /region (ppo: tokens where clipping removed the gradient; cispo:
     only /high, ratio above the cap), delta_bound (tokens whose loss is -delta * A),
     kl_old/k1, kl_old/k3 (policy vs old), kl_ref (when ref is given), entropy,
-    entropy_mask/kept, tis/mean (when their inputs are given).
+    entropy_mask/kept, off_policy_mask/kept, tis/mean (when their inputs are given).
     """
     if loss not in LOSSES:
         raise ValueError(f"unknown loss {loss!r}; valid: {', '.join(LOSSES)}")
@@ -181,6 +195,8 @@ def policy_loss(
         raise ValueError(f"beta={beta} needs ref, the reference policy's log-probs [B, T]")
     if top_entropy_quantile < 1.0 and entropy is None:
         raise ValueError(f"top_entropy_quantile={top_entropy_quantile} needs entropy [B, T]")
+    if off_policy_mask_threshold is not None and samp is None:
+        raise ValueError(f"off_policy_mask_threshold={off_policy_mask_threshold} needs samp [B, T]")
     if advantages.shape != logp.shape[:1]:
         raise ValueError(f"advantages must be [B] = [{logp.shape[0]}], got {tuple(advantages.shape)}")
     mask = mask.to(logp.dtype)
@@ -208,7 +224,10 @@ def policy_loss(
         l_pg = -torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * adv
     l_pg = l_pg.expand_as(logp)  # sequence-level weights give one value per row
 
-    # 2. Entropy mask: train only on the high-entropy "forking" tokens.
+    # 2. Off-policy sequence mask, then the entropy mask (train only on high-entropy "forking" tokens).
+    if off_policy_mask_threshold is not None:
+        opm = off_policy_mask(advantages.to(logp.dtype), logp.detach(), samp, mask, off_policy_mask_threshold)
+        l_pg = l_pg * opm
     if top_entropy_quantile < 1.0:
         kept = entropy_mask(entropy, mask, top_entropy_quantile)
         l_pg = l_pg * kept
@@ -251,6 +270,8 @@ def policy_loss(
             metrics["entropy"] = masked_mean(entropy, mask)
         if top_entropy_quantile < 1.0:
             metrics["entropy_mask/kept"] = masked_mean(kept, mask)
+        if off_policy_mask_threshold is not None:
+            metrics["off_policy_mask/kept"] = masked_mean(opm.expand_as(logp), mask)
         if tis_weights is not None:
             metrics["tis/mean"] = masked_mean(tis_weights.expand_as(logp), mask)
     return per_token, metrics
