@@ -130,6 +130,8 @@ class LossArgs:
     """ratio per token, per sequence (GSPO), or sequence value with per-token gradient (GSPO-token)"""
     scale_rewards: Literal["group", "batch", "none"] | bool = "group"
     """divide advantages by the group std, the batch std, or not at all (Dr. GRPO); true = group, false = none"""
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """several reward functions: weight and sum, then normalise per group (SPEC 2), or normalise each per group first (GDPO)"""
     mask_truncated_completions: bool = False
     """exclude completions that hit max_completion_length without EOS from the loss"""
     top_entropy_quantile: float = 1.0

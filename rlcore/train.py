@@ -300,7 +300,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                   f"(all returned None), so every advantage is 0 and its steps learn nothing; check "
                   f"loss.reward_funcs and the columns they need (data.answer_column)", flush=True)
         every_adv, reward_stats = compute_advantages(R, G, lc.reward_weights, lc.scale_rewards,
-                                                     reward_names=lc.reward_funcs)
+                                                     reward_names=lc.reward_funcs,
+                                                     multi_objective_aggregation=lc.multi_objective_aggregation)
         adv = every_adv[mine]
         acc = accuracy_fn(prompts=prompts, completions=completions, **values)
         acc = distributed.gather_rows(torch.tensor([a or 0.0 for a in acc], device=device), world)

@@ -59,7 +59,6 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     # run length and schedule
     "lr_scheduler_kwargs": ((None,), "rlcore's schedules (train.lr_scheduler_type) take no arguments"),
     # loss
-    "multi_objective_aggregation": (("sum_then_normalize",), "rlcore sums the weighted rewards, then normalises"),
     # models
     "model_init_kwargs": ((None,), "set the weights' dtype with model.dtype; rlcore takes no other loading options"),
     "trust_remote_code": (ANY, "rlcore runs its own Llama / Qwen2 / Qwen3 code, never a checkpoint's"),

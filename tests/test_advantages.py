@@ -237,3 +237,44 @@ def test_async_functions_are_awaited():
 def test_bools_tensors_and_tuples_are_scores(output):
     scores = score_completions([lambda prompts, completions, **kw: output], PROMPTS, COMPLETIONS, COLUMNS)
     torch.testing.assert_close(scores, torch.tensor([[1.0], [0.0], [1.0]]))
+
+
+def gdpo_reference(rows, G, weights):
+    """normalize_then_sum from its definition, in plain Python floats: per function and group,
+    z = (x - mean) / (Bessel std + 1e-4) over the non-None values; s = sum_f w_f z_f (None where
+    every function is None); A = (s - mean(s)) / (Bessel std(s) + 1e-4) over the batch; None -> 0."""
+    def mean(v):
+        return sum(v) / len(v)
+
+    def std(v):
+        return math.sqrt(sum((x - mean(v)) ** 2 for x in v) / (len(v) - 1)) if len(v) > 1 else None
+
+    F = len(weights)
+    z = [[None] * F for _ in rows]
+    for g in range(0, len(rows), G):
+        for f in range(F):
+            vals = [rows[i][f] for i in range(g, g + G) if rows[i][f] is not None]
+            sd = std(vals)
+            for i in range(g, g + G):
+                if rows[i][f] is not None and sd is not None:
+                    z[i][f] = (rows[i][f] - mean(vals)) / (sd + 1e-4)
+    s = [None if all(x is None for x in row) else sum(w * zf for w, zf in zip(weights, zr) if zf is not None)
+         for row, zr in zip(rows, z)]
+    valid = [x for x in s if x is not None]
+    return [0.0 if x is None else (x - mean(valid)) / (std(valid) + 1e-4) for x in s]
+
+
+def test_normalize_then_sum_is_gdpo_group_normalised_per_function_then_batch_normalised():
+    # function 0 on a scale of 100, function 1 of 1: summed first, function 0 would decide alone
+    rows = [[100.0, 0.0], [300.0, 1.0], [200.0, 1.0], [0.0, 0.0],      # group 1
+            [50.0, 1.0], [50.0, 0.0], [None, 1.0], [50.0, None],       # group 2: function 0 constant, Nones
+            [None, None], [10.0, 0.0], [20.0, 1.0], [30.0, 0.0]]       # group 3: an unscorable row
+    R = torch.tensor([[NAN if x is None else x for x in r] for r in rows])
+    adv, stats = compute_advantages(R, 4, reward_weights=[1.0, 2.0], multi_objective_aggregation="normalize_then_sum")
+    close(adv, gdpo_reference(rows, 4, [1.0, 2.0]), tol=1e-5)
+    assert adv[8] == 0.0
+    summed, _ = compute_advantages(R, 4, reward_weights=[1.0, 2.0])
+    assert not torch.allclose(adv, summed, atol=0.1)
+    assert stats["reward/mean"] == pytest.approx(compute_advantages(R, 4, reward_weights=[1.0, 2.0])[1]["reward/mean"])
+    with pytest.raises(ValueError, match="multi_objective_aggregation must be one of"):
+        compute_advantages(R, 4, multi_objective_aggregation="mean")

@@ -213,7 +213,7 @@ def test_a_trl_config_loads_and_says_what_it_ignores(tmp_path):
     ("use_vllm = true", r"use_vllm = True is not an rlcore option: rlcore generates with its own engine"),
     ("vllm_importance_sampling_correction = true", r"loss\.tis_mode .*loss\.tis_max"),
     ("fp16 = true", r"set train\.bf16 = true"),
-    ("multi_objective_aggregation = 'normalize_then_sum'", r"rlcore sums the weighted rewards, then normalises"),
+    ("lr_scheduler_kwargs = {num_cycles = 2}", r"rlcore's schedules \(train\.lr_scheduler_type\) take no arguments"),
     ("generation_kwargs = {max_tokens = 3}", r"generation_kwargs = .*rollout\.temperature"),
     ("[train]\nuse_cpu = true", r"set train\.device = 'cpu'"),
     ("loss_type = 'cispo'", r"loss_type = 'cispo' is TRL's name for loss\.policy_loss = 'cispo' with loss\.loss_type = 'dapo'"),

@@ -236,6 +236,19 @@ def test_num_train_epochs_sets_the_run_length(tmp_path, capsys):
            "max_steps = 4" in capsys.readouterr().out
 
 
+def test_multi_objective_aggregation_reaches_the_advantages(tmp_path, monkeypatch):
+    seen, real = [], rlcore.train.compute_advantages
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["multi_objective_aggregation"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rlcore.train, "compute_advantages", spy)
+    train(config(tmp_path / "run", "train.max_steps=1", "multi_objective_aggregation=normalize_then_sum",
+                 f"loss.reward_funcs=['{__name__}:first_digit', 'format']"))
+    assert seen == ["normalize_then_sum"]
+
+
 def test_sapo_temperatures_reach_the_loss(tmp_path, monkeypatch):
     seen, real = set(), rlcore.train.policy_loss
 

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 SCALE_REWARDS = {"group": "group", True: "group", "batch": "batch", "none": "none", False: "none"}
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
 def score_completions(
@@ -150,13 +151,19 @@ def compute_advantages(
     reward_weights: list[float] | None = None,
     scale_rewards: str | bool = "group",
     reward_names: list[str] | None = None,
+    multi_objective_aggregation: str = "sum_then_normalize",
 ) -> tuple[Tensor, dict]:
     """Group-relative advantages A [N] from per-function rewards R [N, F] (NaN = unscorable).
 
-    r = nansum_f(w_f * R_f) (NaN where every function returned None); groups are G contiguous
-    rows; A = (r - nanmean_g) / (nanstd_g + 1e-4) for "group" (True), nanstd over the whole batch
-    for "batch", no division for "none" (False). NaN advantages become 0, and a group whose
-    valid rewards are all equal gets exactly 0. Returns (A, stats) with python-float stats:
+    "sum_then_normalize" (SPEC 2): r = nansum_f(w_f * R_f) (NaN where every function returned
+    None); groups are G contiguous rows; A = (r - nanmean_g) / (nanstd_g + 1e-4) for "group"
+    (True), nanstd over the whole batch for "batch", no division for "none" (False). A group
+    whose valid rewards are all equal gets exactly 0.
+    "normalize_then_sum" (GDPO, TRL's multi_objective_aggregation; not in SPEC): each function's
+    rewards are normalised within each group first, z_f = (R_f - nanmean_g) / (nanstd_g + 1e-4),
+    then s = nansum_f(w_f * z_f) and A = (s - nanmean(s)) / (nanstd(s) + 1e-4) over the whole
+    batch (scale_rewards does not apply), so one function's scale cannot drown the others'.
+    NaN advantages become 0. Returns (A, stats) with python-float stats:
     reward/mean, reward/std, reward/<name>/mean per function (names default to "0", "1", ...),
     frac_reward_zero_std (groups with fewer than two distinct valid rewards), advantage/mean,
     advantage/abs_mean.
@@ -174,6 +181,9 @@ def compute_advantages(
                          f"{num_funcs} reward functions; give one weight per function")
     if reward_names is not None and len(reward_names) != num_funcs:
         raise ValueError(f"reward_names has {len(reward_names)} entries for {num_funcs} reward functions")
+    if multi_objective_aggregation not in AGGREGATIONS:
+        raise ValueError(f"multi_objective_aggregation must be one of {', '.join(AGGREGATIONS)}, "
+                         f"got {multi_objective_aggregation!r}")
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards must be 'group' (True), 'batch' or 'none' (False), "
                          f"got {scale_rewards!r}")
@@ -196,6 +206,13 @@ def compute_advantages(
     bottom = groups.where(valid, torch.inf).amin(dim=1)
     zero_std = ~(top > bottom)
     adv = adv.masked_fill(zero_std[:, None] | adv.isnan(), 0.0).view(-1)
+    if multi_objective_aggregation == "normalize_then_sum":
+        per_func = rewards.view(-1, num_generations, num_funcs)
+        z = (per_func - per_func.nanmean(dim=1, keepdim=True)) / (_nanstd(per_func, dim=1)[:, None] + 1e-4)
+        s = (z * weights).nansum(dim=2).view(-1)
+        s[rewards.isnan().all(dim=1)] = torch.nan
+        adv = (s - s.nanmean()) / (_nanstd(s, dim=0) + 1e-4)
+        adv = adv.nan_to_num(nan=0.0)
 
     names = reward_names or [str(f) for f in range(num_funcs)]  # .item(): host syncs, once per round
     stats = {
