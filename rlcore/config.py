@@ -102,14 +102,22 @@ class RolloutArgs:
 
 @dataclass
 class LossArgs:
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "luspo"] = "dapo"
     """how per-token losses are averaged over an optimizer step (SPEC section 5)"""
-    policy_loss: Literal["ppo", "cispo", "sapo"] = "ppo"
-    """per-token policy loss: PPO clipped ratio, CISPO (clipped IS weight), SAPO (soft gate)"""
+    policy_loss: Literal["ppo", "cispo", "sapo", "vespo"] = "ppo"
+    """per-token policy loss: PPO clipped ratio, CISPO (clipped IS weight), SAPO (soft gate), VESPO (gamma weight)"""
     sapo_temperature_pos: float = 1.0
     """sapo: gate temperature for tokens with positive advantage"""
     sapo_temperature_neg: float = 1.05
     """sapo: gate temperature for tokens with negative advantage"""
+    vespo_k_pos: float = 2.0
+    """vespo: shape k of the sequence weight for advantages >= 0"""
+    vespo_lambda_pos: float = 3.0
+    """vespo: rate lambda of the sequence weight for advantages >= 0"""
+    vespo_k_neg: float = 3.0
+    """vespo: shape k of the sequence weight for negative advantages"""
+    vespo_lambda_neg: float = 2.0
+    """vespo: rate lambda of the sequence weight for negative advantages"""
     beta: float = 0.0
     """KL coefficient against the reference model (k3 estimator); 0.0 loads no reference model"""
     use_bias_correction_kl: bool = False
@@ -697,7 +705,15 @@ def validate(config: Config, world_size: int = 1) -> None:
                       "so an update below bf16's resolution (0.4% of the weight) is lost, as most are at "
                       f"learning_rate {t.learning_rate:g}; for mixed precision keep model.dtype = 'float32' and set "
                       "train.bf16 = true (TRL's bf16=True)", stacklevel=2)
-    if lo.importance_sampling_level != "token" and lo.loss_type != "grpo":
+    if lo.loss_type == "luspo" and lo.importance_sampling_level != "sequence":
+        warnings.warn(f"loss.loss_type = 'luspo' with loss.importance_sampling_level = "
+                      f"{lo.importance_sampling_level!r}: LUSPO is GSPO's sequence ratio with a length-unbiased "
+                      f"sum; set importance_sampling_level = 'sequence' (TRL warns the same)", stacklevel=2)
+    if lo.policy_loss == "vespo" and lo.importance_sampling_level != "token":
+        warnings.warn(f"loss.policy_loss = 'vespo' with loss.importance_sampling_level = "
+                      f"{lo.importance_sampling_level!r} changes nothing: VESPO forms its own sequence weight "
+                      f"from the token ratios; leave it at 'token'", stacklevel=2)
+    if lo.importance_sampling_level != "token" and lo.loss_type not in ("grpo", "luspo"):
         warnings.warn(f"loss.importance_sampling_level = {lo.importance_sampling_level!r} (GSPO) with loss.loss_type = "
                       f"{lo.loss_type!r}: the GSPO objective is loss_type = 'grpo' (per-sequence mean)",
                       stacklevel=2)

@@ -223,6 +223,13 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
               f"max_steps = {max_steps}", flush=True)
     off_policy = mu > 1 or S > GA
     amp = t.bf16  # bf16 autocast for the training forward passes, and a bf16 rollout
+    loss_options = dict(  # policy_loss's fixed options (SPEC 4); the tensors change per micro-batch
+        loss=lc.policy_loss, importance_sampling_level=lc.importance_sampling_level, epsilon=lc.epsilon,
+        epsilon_high=lc.epsilon_high, delta=lc.delta, beta=lc.beta, use_bias_correction_kl=lc.use_bias_correction_kl,
+        top_entropy_quantile=lc.top_entropy_quantile, off_policy_mask_threshold=lc.off_policy_mask_threshold,
+        sapo_temperature_pos=lc.sapo_temperature_pos, sapo_temperature_neg=lc.sapo_temperature_neg,
+        vespo_k_pos=lc.vespo_k_pos, vespo_lambda_pos=lc.vespo_lambda_pos, vespo_k_neg=lc.vespo_k_neg,
+        vespo_lambda_neg=lc.vespo_lambda_neg)
 
     opt = adamw(model, t)
     schedule = lr_lambda(cfg, max_steps)
@@ -373,14 +380,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                                                     shared)  # entropy is differentiable: the bonus below
                 l, m = policy_loss(
                     logp, logp.detach() if old is None else old[r], adv[r], mask[r],
-                    loss=lc.policy_loss, importance_sampling_level=lc.importance_sampling_level,
-                    epsilon=lc.epsilon, epsilon_high=lc.epsilon_high, delta=lc.delta,
-                    ref=None if ref_lp is None else ref_lp[r], beta=lc.beta,
-                    use_bias_correction_kl=lc.use_bias_correction_kl, sapo_temperature_pos=lc.sapo_temperature_pos,
-                    sapo_temperature_neg=lc.sapo_temperature_neg, samp=samp[r],
-                    off_policy_mask_threshold=lc.off_policy_mask_threshold,
-                    tis_weights=None if tis is None else tis[r], entropy=entropy.detach(),
-                    top_entropy_quantile=lc.top_entropy_quantile)
+                    ref=None if ref_lp is None else ref_lp[r], tis_weights=None if tis is None else tis[r],
+                    entropy=entropy.detach(), samp=samp[r], **loss_options)
                 loss = aggregate_loss(l, mask[r], lc.loss_type, gradient_accumulation_steps=GA,
                                       max_completion_length=rc.max_completion_length,
                                       step_tokens=step_tokens, world_size=world)

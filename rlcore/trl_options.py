@@ -136,10 +136,6 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     "hub_always_push": (ANY, "rlcore cannot reach a model hub"),
     "hub_revision": (ANY, "rlcore cannot reach a model hub"),
     # TRL features rlcore does not have
-    "vespo_k_pos": (ANY, "used only by loss_type 'vespo', which rlcore does not have"),
-    "vespo_lambda_pos": (ANY, "used only by loss_type 'vespo', which rlcore does not have"),
-    "vespo_k_neg": (ANY, "used only by loss_type 'vespo', which rlcore does not have"),
-    "vespo_lambda_neg": (ANY, "used only by loss_type 'vespo', which rlcore does not have"),
     "max_tool_calling_iterations": ((None,), "rlcore has no tool calling"),
     "cache_implementation": (ANY, "rlcore's rollout engine has its own static key/value cache"),
     "use_transformers_paged": ((False,), "rlcore generates with its own engine (rlcore.rollout)"),
@@ -152,8 +148,7 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
 LOSS_TYPES = {
     "cispo": "loss.policy_loss = 'cispo' with loss.loss_type = 'dapo' (TRL aggregates cispo as dapo)",
     "sapo": "loss.policy_loss = 'sapo' with loss.loss_type = 'grpo' (TRL aggregates sapo as grpo)",
-    "luspo": "a loss rlcore does not have; choose loss.loss_type from 'grpo', 'bnpo', 'dr_grpo', 'dapo'",
-    "vespo": "a loss rlcore does not have; choose loss.loss_type from 'grpo', 'bnpo', 'dr_grpo', 'dapo'",
+    "vespo": "loss.policy_loss = 'vespo' with loss.loss_type = 'dapo' (TRL aggregates vespo as dapo)",
 }
 
 

@@ -218,6 +218,7 @@ def test_a_trl_config_loads_and_says_what_it_ignores(tmp_path):
     ("[train]\nuse_cpu = true", r"set train\.device = 'cpu'"),
     ("loss_type = 'cispo'", r"loss_type = 'cispo' is TRL's name for loss\.policy_loss = 'cispo' with loss\.loss_type = 'dapo'"),
     ("loss_type = 'sapo'", r"loss\.policy_loss = 'sapo' with loss\.loss_type = 'grpo'"),
+    ("loss_type = 'vespo'", r"loss\.policy_loss = 'vespo' with loss\.loss_type = 'dapo'"),
     ("max_steps = 0", r"max_steps = 0 must be >= 1, or -1 to train for train\.num_train_epochs"),
     ("max_steps = -1\nnum_train_epochs = 0", r"train\.num_train_epochs = 0\.0 must be > 0"),
     ("warmup_steps = 0.1\nwarmup_ratio = 0.2", r"warmup_steps = 0\.1 \(a ratio.*warmup_ratio = 0\.2 are both set"),
@@ -387,7 +388,7 @@ def test_bool_is_not_accepted_as_int():
 
 def test_bad_choice_lists_valid_choices():
     with pytest.raises(ConfigError, match=r"loss\.loss_type = 'dapoo' is not a valid choice; "
-                                          r"valid: 'grpo', 'bnpo', 'dr_grpo', 'dapo'; did you mean 'dapo'"):
+                                          r"valid: 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'luspo'; did you mean 'dapo'"):
         load_config(None, ["loss.loss_type=dapoo"])
 
 
@@ -472,6 +473,16 @@ def test_sync_ref_model_settings_are_checked(items, expected):
         load_config(None, items)
     lo = load_config(None, ["beta=0.04", "sync_ref_model=true", "ref_model_sync_steps=64"]).loss  # TRL's names
     assert (lo.sync_ref_model, lo.ref_model_sync_steps, lo.ref_model_mixup_alpha) == (True, 64, 0.6)
+
+
+def test_luspo_and_vespo_warn_about_their_importance_sampling_level():
+    with pytest.warns(UserWarning, match="LUSPO is GSPO's sequence ratio"):
+        assert load_config(None, ["loss_type=luspo"]).loss.loss_type == "luspo"  # TRL's name, as it is
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config(None, ["loss_type=luspo", "importance_sampling_level=sequence"])  # no GSPO warning either
+    with pytest.warns(UserWarning, match="VESPO forms its own sequence weight"):
+        load_config(None, ["loss.policy_loss=vespo", "importance_sampling_level=sequence", "loss_type=grpo"])
 
 
 def test_reward_weights_length_must_match_reward_funcs():

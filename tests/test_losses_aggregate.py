@@ -37,6 +37,11 @@ def test_dr_grpo_divides_by_rows_times_max_completion_length_over_ga():
     assert agg("dr_grpo").item() == pytest.approx(10 / (2 * 8) / 2)
 
 
+def test_luspo_is_mean_of_per_sequence_token_sums_over_ga():
+    # TRL's luspo: (l * m).sum(-1).mean() / GA; a row's loss grows with its length
+    assert agg("luspo").item() == pytest.approx((6 + 4) / 2 / 2)
+
+
 def test_dapo_divides_by_step_tokens_per_rank():
     assert agg("dapo", step_tokens=20, world_size=2).item() == pytest.approx(10 / 10)
 

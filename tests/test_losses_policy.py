@@ -360,3 +360,35 @@ def test_off_policy_mask_zeroes_the_policy_term_of_dropped_rows_but_not_the_kl(l
     assert m["off_policy_mask/kept"].item() == pytest.approx(0.5)
     with pytest.raises(ValueError, match="off_policy_mask_threshold=0.5 needs samp"):
         policy_loss(logp, old, adv, mask, off_policy_mask_threshold=0.5)
+
+
+# VESPO (TRL's loss_type='vespo') -----------------------------------------------------------
+
+def phi(log_w, k, lam):
+    return math.exp(lam + k * log_w - lam * math.exp(log_w))
+
+
+def test_vespo_is_reinforce_weighted_by_a_gamma_function_of_the_sequence_ratio():
+    """Row 0 (A = +1, k 2, lambda 3): log w = sum of the token log-ratios; row 1 (A = -1, k 3,
+    lambda 2). l = -phi A logp per token, and the gradient -phi A (phi is detached)."""
+    logp, old, adv, mask = setup([0.5, 0.9, 1.1, 1.5])
+    log_w = sum(math.log(r) for r in [0.5, 0.9, 1.1, 1.5])
+    loss, m = policy_loss(logp, old, adv, mask, loss="vespo")
+    phis = [phi(log_w, 2.0, 3.0), phi(log_w, 3.0, 2.0)]
+    assert_close(loss, [[-p_ * a * math.log(r) for r in [0.5, 0.9, 1.1, 1.5]] for p_, a in zip(phis, [1, -1])])
+    assert_close(grad_of(loss, logp), [[-phis[0]] * 4, [phis[1]] * 4])
+    assert m["vespo/phi_mean"].item() == pytest.approx(sum(phis) / 2)
+    on_policy, _ = policy_loss(logp, logp.detach(), adv, mask, loss="vespo", vespo_k_pos=5.0, vespo_lambda_pos=0.5)
+    assert_close(grad_of(on_policy, logp), [[-1.0] * 4, [1.0] * 4])  # phi(1) = 1 for every (k, lambda)
+
+
+def test_vespo_folds_tis_weights_into_its_sequence_weight_and_applies_them_nowhere_else():
+    logp, old, adv, mask = setup([1.0, 1.0, 1.0, 1.0])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    tis = torch.tensor([[2.0, 0.5, 1.5, 9.0], [1.2, 1.2, 1.0, 1.0]], dtype=torch.float64)  # 9.0 sits on padding
+    loss, m = policy_loss(logp, old, adv, mask, loss="vespo", tis_weights=tis)
+    want = [phi(math.log(2.0 * 0.5 * 1.5), 2.0, 3.0), phi(math.log(1.2 * 1.2), 3.0, 2.0)]
+    assert_close(grad_of(loss * mask, logp), [[-want[0]] * 3 + [0.0], [want[1]] * 4])
+    seq = torch.tensor([[1.5], [1.44]], dtype=torch.float64)  # a sequence-level TIS weight enters once
+    loss_seq, _ = policy_loss(logp, old, adv, mask, loss="vespo", tis_weights=seq)
+    assert_close(grad_of(loss_seq * mask, logp), [[-want[0]] * 3 + [0.0], [want[1]] * 4])

@@ -189,12 +189,25 @@ def test_time_and_tokens_per_s_are_per_step_when_a_round_has_several(tmp_path):
     assert trained == pytest.approx(got[0]["completion/len_mean"] * 32 * 2, rel=1e-9)
 
 
-@pytest.mark.parametrize("loss", [["loss.policy_loss=cispo", "loss.epsilon_high=5.0"], ["loss.policy_loss=sapo"]])
-def test_every_policy_loss_runs_and_logs(loss, tmp_path, capsys):
+@pytest.mark.parametrize("loss", [["loss.policy_loss=cispo", "loss.epsilon_high=5.0"], ["loss.policy_loss=sapo"],
+                                  ["loss.policy_loss=vespo", "vespo_k_pos=1.5"],
+                                  ["loss.loss_type=luspo", "loss.importance_sampling_level=sequence"]])
+def test_every_policy_loss_runs_and_logs(loss, tmp_path, capsys, monkeypatch):
+    seen, real = [], rlcore.train.policy_loss
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rlcore.train, "policy_loss", spy)
     run = tmp_path / "run"
     train(config(run, "train.max_steps=2", "loss.num_iterations=2", *loss))
     assert [r["step"] for r in rows(run)] == [1, 2]
     assert "step    1/2" in capsys.readouterr().out
+    if "vespo" in loss[0]:
+        assert {k["loss"] for k in seen} == {"vespo"} and {k["vespo_k_pos"] for k in seen} == {1.5}
+        phis = [r["vespo/phi_mean"] for r in rows(run)]
+        assert phis[0] == pytest.approx(1.0, abs=1e-4) and 0 < phis[1] < 2, phis  # epoch 1: w = 1, phi(1) = 1
 
 
 @pytest.mark.parametrize("correction", [False, True])

@@ -1,7 +1,8 @@
 """Losses: rewards -> advantages, per-token log-probs, per-token policy losses, aggregation.
 
 Read in this order: advantages.py (SPEC 2), logprobs.py and policy.py (SPEC 3-4), aggregate.py
-(SPEC 5), metrics.py (SPEC 6); entropy.py is TRL's entropy bonus, beyond the SPEC. docs/losses.md maps every option to its equation and paper.
+(SPEC 5), metrics.py (SPEC 6); entropy.py is TRL's entropy bonus, beyond the SPEC.
+docs/losses.md maps every option to its equation and paper.
 """
 
 from rlcore.losses.advantages import compute_advantages, score_completions

@@ -7,11 +7,12 @@ the P data-parallel ranks, as DDP does) gives the step loss of each `loss_type`:
   bnpo     sum(l*m) / max(sum(m), 1) / GA                 micro-batch token mean
   dr_grpo  sum(l*m) / (B * max_completion_length) / GA    constant normaliser (Dr. GRPO, 2503.20783)
   dapo     sum(l*m) / max(N_step / P, 1)                  token mean of the whole step (DAPO, 2503.14476)
+  luspo    mean_i( sum_t l*m ) / GA                       per-sequence token sum (LUSPO, 2602.05261; TRL's)
 """
 
 from torch import Tensor
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
 def aggregate_loss(
@@ -41,6 +42,8 @@ def aggregate_loss(
         return summed.sum() / mask.sum().clamp(min=1.0) / ga
     if loss_type == "dr_grpo":
         return summed.sum() / (per_token.shape[0] * max_completion_length) / ga
+    if loss_type == "luspo":
+        return summed.sum(-1).mean() / ga
     if loss_type == "dapo":
         if step_tokens is None:
             raise ValueError("loss_type='dapo' needs step_tokens: the active-token count of the "

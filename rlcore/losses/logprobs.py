@@ -153,7 +153,8 @@ def token_logprobs(
     hidden [B, T, H] (final-norm hidden states at the positions that predict `targets`),
     weight [V, H] (the lm_head / tied embedding), targets [B, T] int64 in [0, V), bias [V] or None.
     Returns logp [B, T] and entropy [B, T] (fp32, both differentiable w.r.t. hidden, weight and
-    bias; backward does the entropy's extra [chunk, V] work only when the loss uses it). Padding positions need a valid token id; mask them in the loss.
+    bias; backward does the entropy's extra [chunk, V] work only when the loss uses it).
+    Padding positions need a valid token id; mask them in the loss.
     bf16 inputs are computed in fp32 per chunk and receive grads in bf16.
 
     Extra memory is two chunk_size x V fp32 buffers plus an fp32 grad of `weight`, and, until

@@ -1,10 +1,11 @@
 """Per-token policy losses and the terms applied to them (SPEC sections 3 and 4).
 
 `policy_loss` builds l[B, T] in the SPEC's order:
-  1. l_pg: PPO-style clipped (GRPO/DAPO/INTELLECT-2's delta), CISPO or SAPO, with token,
+  1. l_pg: PPO-style clipped (GRPO/DAPO/INTELLECT-2's delta), CISPO, SAPO or VESPO, with token,
      sequence (GSPO) or sequence_token (GSPO-token) importance weights;
-  2. entropy mask (multiplies l_pg only);
-  3. rollout importance-sampling correction, TIS (multiplies l_pg only);
+  2. off-policy sequence mask, then entropy mask (multiply l_pg only);
+  3. rollout importance-sampling correction, TIS (multiplies l_pg only; VESPO folds it into its
+     sequence weight instead);
   4. + beta * k3 KL to the reference policy.
 Aggregation over tokens is a separate step: `rlcore.losses.aggregate.aggregate_loss`.
 """
@@ -19,7 +20,7 @@ from torch import Tensor
 from rlcore.losses.aggregate import LOSS_TYPES
 from rlcore.losses.metrics import masked_mean
 
-LOSSES = ("ppo", "cispo", "sapo")
+LOSSES = ("ppo", "cispo", "sapo", "vespo")
 LEVELS = ("token", "sequence", "sequence_token")
 TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
@@ -69,6 +70,26 @@ def off_policy_mask(advantages: Tensor, logp: Tensor, samp: Tensor, mask: Tensor
     """
     kl = ((samp - logp) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
     return ((advantages[:, None] >= 0) | (kl <= threshold)).to(logp.dtype)
+
+
+@torch.no_grad()
+def vespo_weights(advantages: Tensor, log_ratio: Tensor, mask: Tensor, tis_weights: Tensor | None = None,
+                  k_pos: float = 2.0, lambda_pos: float = 3.0, k_neg: float = 3.0, lambda_neg: float = 2.0) -> Tensor:
+    """VESPO's sequence weight phi(w) = exp(lambda + k log w - lambda w) (arXiv:2602.10693; TRL's
+    get_gamma_weights), a gamma density scaled so phi(1) = 1, of the sequence ratio
+    log w = sum_t clamp(logp - old, -20, 20) over valid tokens (+ sum_t log tis, clamped below at
+    log 1e-8, when TIS weights are given), clamped to [log 1e-8, 20]; (k, lambda) = the _pos pair
+    for A >= 0, else the _neg pair. advantages [B], log_ratio, mask [B, T] -> [B, 1], no grad."""
+    low = math.log(1e-8)
+    log_w = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)
+    if tis_weights is not None:  # token weights [B, T] are summed in log space; a sequence weight [B, 1] is one
+        log_tis = tis_weights.log().clamp(low, 20.0)
+        log_w = log_w + (log_tis if log_tis.shape[-1] == 1 else (log_tis * mask).sum(-1, keepdim=True))
+    log_w = log_w.clamp(low, 20.0)
+    pos = advantages[:, None] >= 0
+    k = torch.where(pos, k_pos, k_neg).to(log_w.dtype)
+    lam = torch.where(pos, lambda_pos, lambda_neg).to(log_w.dtype).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def entropy_mask(entropy: Tensor, mask: Tensor, top_entropy_quantile: float) -> Tensor:
@@ -144,7 +165,7 @@ def check_loss_options(
         warnings.warn("policy_loss='cispo' caps the ratio at epsilon_high, which was left at its "
                       "default (= epsilon, 0.2): every update shrinks five-fold. CISPO uses an "
                       "absolute cap such as epsilon_high=5.0", stacklevel=2)
-    if importance_sampling_level != "token" and loss_type != "grpo":
+    if importance_sampling_level != "token" and loss_type not in ("grpo", "luspo"):
         warnings.warn(
             f"importance_sampling_level={importance_sampling_level!r} (GSPO) with loss_type="
             f"{loss_type!r} sums tokens, so each sequence's loss is weighted by its length; "
@@ -172,6 +193,10 @@ def policy_loss(
     sapo_temperature_neg: float = 1.05,
     samp: Tensor | None = None,
     off_policy_mask_threshold: float | None = None,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
 ) -> tuple[Tensor, dict]:
     """Per-token loss l [B, T] and diagnostics, before aggregation (see module docstring).
 
@@ -187,7 +212,7 @@ def policy_loss(
     clip_ratio/low, /high, /region (ppo: tokens where clipping removed the gradient; cispo:
     only /high, ratio above the cap), delta_bound (tokens whose loss is -delta * A),
     kl_old/k1, kl_old/k3 (policy vs old), kl_ref (when ref is given), entropy,
-    entropy_mask/kept, off_policy_mask/kept, tis/mean (when their inputs are given).
+    entropy_mask/kept, off_policy_mask/kept, tis/mean (when their inputs are given), vespo/phi_mean.
     """
     if loss not in LOSSES:
         raise ValueError(f"unknown loss {loss!r}; valid: {', '.join(LOSSES)}")
@@ -217,6 +242,12 @@ def policy_loss(
         # CISPO (MiniMax-M1, 2506.13585): REINFORCE weighted by the capped, detached ratio,
         #   l = -sg(min(r, eps_high)) A log pi
         l_pg = -ratio.clamp(max=eps_high).detach() * adv * logp
+    elif loss == "vespo":
+        # VESPO (2602.10693): REINFORCE weighted by a detached gamma-shaped function of the whole
+        # sequence's ratio (which TIS weights fold into), l = -phi(w) A log pi
+        phi = vespo_weights(adv[:, 0], logp.detach() - old, mask, tis_weights,
+                            vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
+        l_pg = -phi * adv * logp
     else:
         # SAPO (Soft Adaptive Policy Optimization, 2511.20347): a sigmoid gate instead of a clip,
         #   l = -sigmoid(tau (r - 1)) (4 / tau) A,  tau = tau_pos if A > 0 else tau_neg
@@ -231,8 +262,9 @@ def policy_loss(
     if top_entropy_quantile < 1.0:
         kept = entropy_mask(entropy, mask, top_entropy_quantile)
         l_pg = l_pg * kept
-    # 3. Rollout importance-sampling correction (after clipping and the entropy mask).
-    if tis_weights is not None:
+    # 3. Rollout importance-sampling correction (after clipping and the entropy mask); VESPO's
+    # weight already holds it.
+    if tis_weights is not None and loss != "vespo":
         l_pg = l_pg * tis_weights
     # 4. KL to the reference, k3 estimator (Schulman 2020; DeepSeekMath): >= 0, unbiased on-policy.
     per_token = l_pg
@@ -274,4 +306,6 @@ def policy_loss(
             metrics["off_policy_mask/kept"] = masked_mean(opm.expand_as(logp), mask)
         if tis_weights is not None:
             metrics["tis/mean"] = masked_mean(tis_weights.expand_as(logp), mask)
+        if loss == "vespo":
+            metrics["vespo/phi_mean"] = masked_mean(phi.expand_as(logp), mask)
     return per_token, metrics
