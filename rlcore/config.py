@@ -439,7 +439,24 @@ def normalize(d: dict) -> dict:
             raise ConfigError(f"config key {key} is set twice: flat ({key} = {value!r}) and in "
                               f"[{section}] ({name} = {out[section][name]!r}); keep one")
         out.setdefault(section, {})[name] = value
+    for section in list(out):  # TRL's generation_kwargs: sampling settings that override the named options
+        kwargs = out[section].pop("generation_kwargs", None)
+        if isinstance(kwargs, dict):
+            for key, value in kwargs.items():
+                if key not in GENERATION_KWARGS:
+                    raise ConfigError(f"generation_kwargs key {key!r} (= {value!r}) has no rlcore equivalent; rlcore's "
+                                      f"rollout takes {', '.join(GENERATION_KWARGS)}; set the others' effect some "
+                                      f"other way or leave them out")
+                out.setdefault("rollout", {})[GENERATION_KWARGS[key]] = value
+        elif kwargs is not None:
+            out[section]["generation_kwargs"] = kwargs  # not a table: Config.from_dict names the problem
     return out
+
+
+GENERATION_KWARGS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_completion_length",
+                     "max_tokens": "max_completion_length", "stop_strings": "stop", "stop": "stop"}
+"""generation_kwargs keys (transformers' GenerationConfig and vLLM's SamplingParams names) -> rollout fields."""
 
 
 def _flat_target(key: str) -> tuple[str, str]:

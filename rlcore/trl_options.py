@@ -50,7 +50,8 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     "fp16": ((False,), "fp16 training is not supported; set train.bf16 = true (bf16 autocast over fp32 weights)"),
     # generation
     "use_vllm": ((False,), "rlcore generates with its own engine (rlcore.rollout), set up under [rollout]"),
-    "generation_kwargs": ((None,), "set sampling with rollout.temperature, top_p, top_k, min_p and stop"),
+    "generation_kwargs": ((None,), "give it as a table of sampling settings (temperature, top_p, top_k, min_p, "
+                                   "repetition_penalty, max_new_tokens, stop_strings), or set those rollout options"),
     "vllm_importance_sampling_correction": ((False,), "rlcore's rollout engine is not vLLM; for truncated "
                                                       "importance sampling set loss.tis_mode (TRL's "
                                                       "vllm_importance_sampling_mode) and loss.tis_max (its cap)"),

@@ -98,6 +98,14 @@ def test_epoch_steps_counts_whole_rounds_as_trl_does():
         epoch_steps(3, 4, 1, 1.0)
 
 
+def test_generation_kwargs_set_the_rollout_options_they_name_and_win_over_them(tmp_path):
+    toml = "temperature = 0.7\ngeneration_kwargs = {temperature = 0.9, top_k = 20, max_new_tokens = 64, stop_strings = ['###']}\n"
+    r = load_config(write(tmp_path, toml), []).rollout
+    assert (r.temperature, r.top_k, r.max_completion_length, r.stop) == (0.9, 20, 64, ["###"])  # TRL: they override
+    r = load_config(None, ["generation_kwargs={repetition_penalty = 1.2, min_p = 0.1}"]).rollout
+    assert (r.repetition_penalty, r.min_p) == (1.2, 0.1)
+
+
 def test_epsilon_high_defaults_to_epsilon():
     assert load_config(None, ["loss.epsilon=0.3"]).loss.epsilon_high == 0.3
 
@@ -214,7 +222,8 @@ def test_a_trl_config_loads_and_says_what_it_ignores(tmp_path):
     ("vllm_importance_sampling_correction = true", r"loss\.tis_mode .*loss\.tis_max"),
     ("fp16 = true", r"set train\.bf16 = true"),
     ("lr_scheduler_kwargs = {num_cycles = 2}", r"rlcore's schedules \(train\.lr_scheduler_type\) take no arguments"),
-    ("generation_kwargs = {max_tokens = 3}", r"generation_kwargs = .*rollout\.temperature"),
+    ("generation_kwargs = {num_beams = 3}", r"generation_kwargs key 'num_beams' \(= 3\) has no rlcore equivalent; "
+                                            r"rlcore's rollout takes temperature, top_p"),
     ("[train]\nuse_cpu = true", r"set train\.device = 'cpu'"),
     ("loss_type = 'cispo'", r"loss_type = 'cispo' is TRL's name for loss\.policy_loss = 'cispo' with loss\.loss_type = 'dapo'"),
     ("loss_type = 'sapo'", r"loss\.policy_loss = 'sapo' with loss\.loss_type = 'grpo'"),
