@@ -190,8 +190,10 @@ class TrainArgs:
     """passes over the training prompts when max_steps = -1 (a config giving this without max_steps sets -1)"""
     learning_rate: float = 1e-6
     """peak AdamW learning rate"""
-    lr_scheduler_type: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "constant"
-    """constant (no warmup), constant_with_warmup, or linear / cosine decay to 0 after a linear warmup"""
+    lr_scheduler_type: Literal["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr"] = "constant"
+    """constant (no warmup), constant_with_warmup, or linear / cosine decay to 0 (to min_lr) after a linear warmup"""
+    lr_scheduler_kwargs: dict[str, float] = field(default_factory=dict)
+    """transformers' schedule arguments: num_cycles (cosine), min_lr or min_lr_rate (cosine_with_min_lr)"""
     warmup_ratio: float = 0.0
     """linear warmup over ceil(this fraction of max_steps) steps"""
     warmup_steps: int = 0
@@ -748,6 +750,15 @@ def validate(config: Config, world_size: int = 1) -> None:
     need(t.warmup_steps >= 0, f"train.warmup_steps = {t.warmup_steps} must be >= 0")
     need(not (t.warmup_steps and t.warmup_ratio), f"train.warmup_steps = {t.warmup_steps} and "
          f"train.warmup_ratio = {t.warmup_ratio} are both set; keep one")
+    allowed = {"cosine": {"num_cycles"}, "cosine_with_min_lr": {"num_cycles", "min_lr", "min_lr_rate"}}
+    extra = set(t.lr_scheduler_kwargs) - allowed.get(t.lr_scheduler_type, set())
+    need(not extra, f"train.lr_scheduler_kwargs = {t.lr_scheduler_kwargs} has {sorted(extra)}, which "
+         f"lr_scheduler_type = {t.lr_scheduler_type!r} does not take; it takes "
+         f"{sorted(allowed.get(t.lr_scheduler_type, [])) or 'none'}")
+    need(t.lr_scheduler_type != "cosine_with_min_lr" or len({"min_lr", "min_lr_rate"} & set(t.lr_scheduler_kwargs)) == 1,
+         f"train.lr_scheduler_type = 'cosine_with_min_lr' needs exactly one of min_lr (a rate) or min_lr_rate (a "
+         f"fraction of learning_rate) in train.lr_scheduler_kwargs, got {t.lr_scheduler_kwargs}; e.g. "
+         f"lr_scheduler_kwargs = {{min_lr_rate = 0.1}}")
     need(t.lr_scheduler_type != "constant" or not (t.warmup_steps or t.warmup_ratio),
          f"train.lr_scheduler_type = 'constant' has no warmup, but warmup_steps = {t.warmup_steps} / "
          f"warmup_ratio = {t.warmup_ratio}; set train.lr_scheduler_type to 'constant_with_warmup', 'cosine' "

@@ -88,10 +88,12 @@ def adamw(model: torch.nn.Module, t) -> torch.optim.AdamW:
 
 def lr_lambda(cfg: Config, total_steps: int):
     """Linear warmup ((step+1)/(warmup+1): no step is wasted at rate 0, where transformers'
-    step/warmup spends step 0 at rate 0), then constant, or linear or cosine decay to zero
-    (after the warmup, transformers' formulas)."""
+    step/warmup spends step 0 at rate 0), then constant, or linear or cosine decay to zero (or
+    to min_lr: cosine_with_min_lr), after the warmup transformers' formulas and arguments."""
     t = cfg.train
     warmup = t.warmup_steps or math.ceil(t.warmup_ratio * total_steps)
+    cycles = t.lr_scheduler_kwargs.get("num_cycles", 0.5)
+    floor = t.lr_scheduler_kwargs.get("min_lr_rate", t.lr_scheduler_kwargs.get("min_lr", 0.0) / (t.learning_rate or 1))
 
     def f(step: int) -> float:
         if step < warmup:
@@ -101,7 +103,7 @@ def lr_lambda(cfg: Config, total_steps: int):
         progress = (step - warmup) / max(1, total_steps - warmup)
         if t.lr_scheduler_type == "linear":
             return max(0.0, 1.0 - progress)
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return max(0.0, floor + (1 - floor) * 0.5 * (1.0 + math.cos(math.pi * cycles * 2.0 * progress)))
 
     return f
 

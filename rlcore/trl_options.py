@@ -58,7 +58,6 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     "vllm_importance_sampling_mode": (ANY, "rlcore's rollout engine is not vLLM; its equivalent is loss.tis_mode"),
     "vllm_importance_sampling_cap": (ANY, "rlcore's rollout engine is not vLLM; its equivalent is loss.tis_max"),
     # run length and schedule
-    "lr_scheduler_kwargs": ((None,), "rlcore's schedules (train.lr_scheduler_type) take no arguments"),
     # loss
     # models
     "model_init_kwargs": ((None,), "set the weights' dtype with model.dtype; rlcore takes no other loading options"),

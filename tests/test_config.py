@@ -221,7 +221,7 @@ def test_a_trl_config_loads_and_says_what_it_ignores(tmp_path):
     ("use_vllm = true", r"use_vllm = True is not an rlcore option: rlcore generates with its own engine"),
     ("vllm_importance_sampling_correction = true", r"loss\.tis_mode .*loss\.tis_max"),
     ("fp16 = true", r"set train\.bf16 = true"),
-    ("lr_scheduler_kwargs = {num_cycles = 2}", r"rlcore's schedules \(train\.lr_scheduler_type\) take no arguments"),
+    ("tf32 = true", r"rlcore leaves fp32 matmuls at full precision"),
     ("generation_kwargs = {num_beams = 3}", r"generation_kwargs key 'num_beams' \(= 3\) has no rlcore equivalent; "
                                             r"rlcore's rollout takes temperature, top_p"),
     ("[train]\nuse_cpu = true", r"set train\.device = 'cpu'"),
@@ -521,9 +521,12 @@ def test_constant_schedule_with_warmup_is_an_error():
         load_config(None, ["train.warmup_steps=10"])
 
 
-@pytest.mark.parametrize("kind", ["constant_with_warmup", "linear", "cosine"])
+@pytest.mark.parametrize("kind, kwargs", [("constant_with_warmup", {}), ("linear", {}), ("cosine", {}),
+                                          ("cosine", {"num_cycles": 1.25}),
+                                          ("cosine_with_min_lr", {"min_lr_rate": 0.1}),
+                                          ("cosine_with_min_lr", {"min_lr": 2e-7, "num_cycles": 0.75})])
 @pytest.mark.parametrize("warmup", ["train.warmup_steps=0", "train.warmup_steps=3", "train.warmup_ratio=0.15"])
-def test_schedules_are_transformers_after_the_warmup_and_start_above_zero(kind, warmup):
+def test_schedules_are_transformers_after_the_warmup_and_start_above_zero(kind, kwargs, warmup):
     """After the warmup the rate factor is transformers' get_scheduler(kind) (what a TRL config
     with that lr_scheduler_type runs); during it, step s of W runs at (s+1)/(W+1), where
     transformers' s/W spends step 0 at rate 0."""
@@ -533,15 +536,28 @@ def test_schedules_are_transformers_after_the_warmup_and_start_above_zero(kind, 
     from rlcore.train import lr_lambda
 
     total = 20
-    cfg = load_config(None, [f"train.lr_scheduler_type={kind}", warmup, f"train.max_steps={total}"])
+    table = "{" + ", ".join(f"{k} = {v}" for k, v in kwargs.items()) + "}"
+    cfg = load_config(None, [f"train.lr_scheduler_type={kind}", warmup, f"train.max_steps={total}",
+                             f"train.lr_scheduler_kwargs={table}"])
     W = cfg.train.warmup_steps or math.ceil(cfg.train.warmup_ratio * total)
-    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    hf = get_scheduler(kind, opt, num_warmup_steps=W, num_training_steps=total).lr_lambdas[0]
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.train.learning_rate)
+    hf = get_scheduler(kind, opt, num_warmup_steps=W, num_training_steps=total,
+                       scheduler_specific_kwargs=kwargs).lr_lambdas[0]
     ours = lr_lambda(cfg, total)
     for s in range(total):
         want = (s + 1) / (W + 1) if s < W else hf(s)
         assert ours(s) == pytest.approx(want, rel=1e-12, abs=1e-15), s
-    assert ours(0) > 0 and ours(W) == 1.0 and (kind == "constant_with_warmup" or ours(total - 1) < 0.1)
+    assert ours(0) > 0 and ours(W) == 1.0 and (kind == "constant_with_warmup" or min(map(ours, range(total))) < 0.5)
+
+
+@pytest.mark.parametrize("items, expected", [
+    (["train.lr_scheduler_type=cosine_with_min_lr"], r"needs exactly one of min_lr \(a rate\) or min_lr_rate"),
+    (["train.lr_scheduler_type=linear", "lr_scheduler_kwargs={num_cycles = 2}"],
+     r"has \['num_cycles'\], which lr_scheduler_type = 'linear' does not take; it takes none"),
+])
+def test_schedule_arguments_are_checked(items, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, items)
 
 
 def test_all_problems_are_reported_together():
