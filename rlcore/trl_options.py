@@ -52,9 +52,9 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     "use_vllm": ((False,), "rlcore generates with its own engine (rlcore.rollout), set up under [rollout]"),
     "generation_kwargs": ((None,), "give it as a table of sampling settings (temperature, top_p, top_k, min_p, "
                                    "repetition_penalty, max_new_tokens, stop_strings), or set those rollout options"),
-    "vllm_importance_sampling_correction": ((False,), "rlcore's rollout engine is not vLLM; for truncated "
-                                                      "importance sampling set loss.tis_mode (TRL's "
-                                                      "vllm_importance_sampling_mode) and loss.tis_max (its cap)"),
+    "vllm_importance_sampling_correction": (ANY, "TRL applies it only with use_vllm = true, and rlcore's rollout "
+                                                 "engine is not vLLM; rlcore's truncated importance sampling is "
+                                                 "loss.tis_mode (TRL's vllm_importance_sampling_mode) with loss.tis_max"),
     "vllm_importance_sampling_mode": (ANY, "rlcore's rollout engine is not vLLM; its equivalent is loss.tis_mode"),
     "vllm_importance_sampling_cap": (ANY, "rlcore's rollout engine is not vLLM; its equivalent is loss.tis_max"),
     # run length and schedule
