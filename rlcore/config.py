@@ -627,9 +627,12 @@ def validate(config: Config, world_size: int = 1) -> None:
     if t.steps_per_generation is None:  # set by train.generation_batch_size
         gbs, per_round = t.generation_batch_size, b * world_size
         if gbs < 1 or per_round < 1 or gbs % per_round:
+            unit = max(1, per_round)
+            near = sorted({max(unit, gbs // unit * unit), (max(0, gbs) // unit + 1) * unit})
             problems.append(f"train.generation_batch_size = {gbs} must be a positive multiple of "
                             f"per_device_train_batch_size * world size = {b} * {world_size} = {per_round}; set it "
-                            f"to {max(1, per_round) * max(1, GA)} (steps_per_generation = GA = {GA}) or leave it unset")
+                            f"to {' or '.join(map(str, near))}, or leave it unset (= {unit * max(1, GA)}, "
+                            f"steps_per_generation = GA)")
             S = GA
     need(G >= 2, f"rollout.num_generations = {G} must be >= 2: advantages compare completions "
                  f"of the same prompt; use 8 (TRL's default)")
@@ -679,6 +682,8 @@ def validate(config: Config, world_size: int = 1) -> None:
     need(lo.beta >= 0, f"loss.beta = {lo.beta} must be >= 0; 0.0 = no KL term")
     need(lo.off_policy_mask_threshold is None or lo.off_policy_mask_threshold > 0,
          f"loss.off_policy_mask_threshold = {lo.off_policy_mask_threshold} must be > 0 (e.g. 0.5), or none for off")
+    for name in ("vespo_lambda_pos", "vespo_lambda_neg"):
+        need(getattr(lo, name) > 0, f"loss.{name} = {getattr(lo, name)} must be > 0 (TRL's defaults: 3.0 and 2.0)")
     for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
         need(getattr(lo, name) > 0, f"loss.{name} = {getattr(lo, name)} must be > 0 (TRL's defaults: 1.0 and 1.05)")
     if lo.sync_ref_model:
@@ -730,8 +735,9 @@ def validate(config: Config, world_size: int = 1) -> None:
                       f"sum; set importance_sampling_level = 'sequence' (TRL warns the same)", stacklevel=2)
     if lo.policy_loss == "vespo" and lo.importance_sampling_level != "token":
         warnings.warn(f"loss.policy_loss = 'vespo' with loss.importance_sampling_level = "
-                      f"{lo.importance_sampling_level!r} changes nothing: VESPO forms its own sequence weight "
-                      f"from the token ratios; leave it at 'token'", stacklevel=2)
+                      f"{lo.importance_sampling_level!r}: VESPO forms its own sequence weight from the token "
+                      f"ratios, so the level only changes the ratio of use_bias_correction_kl; leave it at "
+                      f"'token' (TRL warns the same)", stacklevel=2)
     if lo.importance_sampling_level != "token" and lo.loss_type not in ("grpo", "luspo"):
         warnings.warn(f"loss.importance_sampling_level = {lo.importance_sampling_level!r} (GSPO) with loss.loss_type = "
                       f"{lo.loss_type!r}: the GSPO objective is loss_type = 'grpo' (per-sequence mean)",

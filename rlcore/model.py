@@ -397,6 +397,18 @@ class Transformer(nn.Module):
         return hidden @ self.lm_head_weight.T
 
 
+def weight_layout_difference(a: Transformer, b: Transformer) -> str | None:
+    """None when `a` and `b` have the same parameter names and shapes (what mix_into needs), else
+    the first difference, in words."""
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    for name in sorted(pa.keys() | pb.keys()):
+        if name not in pa or name not in pb:
+            return f"{name} is in only one of them"
+        if pa[name].shape != pb[name].shape:
+            return f"{name} is {tuple(pa[name].shape)} in one and {tuple(pb[name].shape)} in the other"
+    return None
+
+
 @torch.no_grad()
 def mix_into(target: Transformer, source: Transformer, alpha: float) -> None:
     """target = alpha * source + (1 - alpha) * target, parameter by parameter, in target's dtype

@@ -37,7 +37,7 @@ from rlcore.losses.aggregate import aggregate_loss
 from rlcore.losses.entropy import EntropyBonus
 from rlcore.losses.metrics import rollout_mismatch
 from rlcore.losses.policy import entropy_mask, mask_truncated, policy_loss, tis_weights
-from rlcore.model import mix_into
+from rlcore.model import mix_into, weight_layout_difference
 from rlcore.rewards import RewardState, dataset_columns, get_reward_funcs, reward_inputs
 from rlcore.rollout import generate
 from rlcore.runlog import drop_rows_after, log_completions, log_line, record_eval, reduce_metrics
@@ -201,6 +201,11 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
     if lc.beta:  # a synced reference (loss.sync_ref_model) resumes from its checkpoint's copy
         synced = ck / "ref_model" if ck and (ck / "ref_model").is_dir() else None
         ref = load_model(synced or cfg.model.ref_path or model_dir, cfg.model.dtype, device).eval()
+        differ = weight_layout_difference(ref, model) if lc.sync_ref_model else None
+        if differ:
+            raise ValueError(f"loss.sync_ref_model mixes the policy into the reference weight by weight, but "
+                             f"model.ref_path = {cfg.model.ref_path} is another architecture ({differ}); use a "
+                             f"checkpoint of the policy's architecture or leave model.ref_path unset")
     for split in (train_set, eval_set):
         ids = encode_prompts(split, tok, cfg.data.system_prompt, cfg.data.use_chat_template,
                              cfg.data.max_prompt_length, cfg.data.chat_template_kwargs)
@@ -260,7 +265,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
         torch.set_rng_state(st["torch_rng"])
         step, data_pos, bad_total, before = st["step"], st["data_pos"], st["nonfinite_total"], st["before"]
         bad_in_row = st.get("nonfinite_in_row", 0)  # absent from checkpoints of earlier versions
-        if "entropy_bonus" in st:
+        if lc.use_adaptive_entropy and st.get("entropy_bonus"):  # the controller's state (static: the config's)
             bonus.load_state_dict(st["entropy_bonus"])
         if main:
             keep = metrics_file.read_text().splitlines()[:step]  # one row per step; later (torn) rows go
@@ -418,7 +423,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                                            f"{t.max_nonfinite_steps}); lower the learning rate or check rewards")
                 opt.zero_grad(set_to_none=True)
                 lr = opt.param_groups[0]["lr"]  # the rate this step used, before the schedule moves on
-                entropy_coef = bonus.applied()  # the coefficient this step used, before adaptation
+                applied = bonus.applied()  # the coefficient this step used, before adaptation
                 bonus.end_step(world, device)
                 sched.step()
                 step += 1
@@ -432,8 +437,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                        **mismatch, "grad_norm": grad_norm.item(), "lr": lr, "skipped": not finite,
                        "nonfinite_total": bad_total, **round_times, "time/update": t_step,
                        "tokens_per_s/train": step_len / max(t_step, 1e-9)}
-                if bonus.enabled:
-                    met["entropy_coef"] = entropy_coef
+                if bonus.enabled:  # TRL logs the coefficient after adaptation, for the next step
+                    met["entropy_coef"], met["entropy_coef/applied"] = bonus.coef, applied
                 round_times = dict.fromkeys(round_times, 0.0)
                 if device.type == "cuda":  # the largest over ranks
                     met["memory/peak_gb"] = distributed.max_over_ranks(
@@ -466,7 +471,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                 state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "sampler_rng": samplers,
                          "shuffler_rng": shuffler.get_state(), "torch_rng": torch.get_rng_state(), "step": step,
                          "data_pos": data_pos, "nonfinite_total": bad_total, "nonfinite_in_row": bad_in_row,
-                         "before": before, "entropy_bonus": bonus.state_dict()}
+                         "before": before, "entropy_bonus": bonus.state_dict() if lc.use_adaptive_entropy else None}
                 synced = lc.sync_ref_model and step >= lc.ref_model_sync_steps
                 save_checkpoint(run, step, model, Path(model_dir), state, t.save_total_limit, ref if synced else None)
 

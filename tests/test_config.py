@@ -66,7 +66,8 @@ def test_generation_batch_size_sets_steps_per_generation_for_the_world_size():
     assert generation_steps(load_config(None, [*base, "generation_batch_size=32"], world_size=2).train, 2) == 2
     assert generation_steps(load_config(None, base).train, 1) == 2  # unset: GA
     with pytest.raises(ConfigError, match=r"train\.generation_batch_size = 20 must be a positive multiple of "
-                                          r"per_device_train_batch_size \* world size = 8 \* 1 = 8; set it to 16"):
+                                          r"per_device_train_batch_size \* world size = 8 \* 1 = 8; set it to 16 "
+                                          r"or 24, or leave it unset \(= 16"):
         load_config(None, [*base, "generation_batch_size=20"])
     with pytest.raises(ConfigError, match=r"train\.steps_per_generation = 3 is not a multiple of .*gradient_acc"):
         load_config(None, [*base, "generation_batch_size=24"])
@@ -452,6 +453,7 @@ def test_num_generations_below_two_is_an_error():
     ("loss.delta=0.5", r"loss\.delta = 0\.5 must be > 1"),
     ("loss.beta=-1", r"loss\.beta = -1\.0 must be >= 0"),
     ("loss.off_policy_mask_threshold=0", r"loss\.off_policy_mask_threshold = 0\.0 must be > 0"),
+    ("loss.vespo_lambda_neg=0", r"loss\.vespo_lambda_neg = 0\.0 must be > 0"),
 ])
 def test_out_of_range_value_is_named(item, expected):
     with pytest.raises(ConfigError, match=expected):
@@ -490,7 +492,7 @@ def test_luspo_and_vespo_warn_about_their_importance_sampling_level():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_config(None, ["loss_type=luspo", "importance_sampling_level=sequence"])  # no GSPO warning either
-    with pytest.warns(UserWarning, match="VESPO forms its own sequence weight"):
+    with pytest.warns(UserWarning, match="VESPO forms its own sequence weight.*only changes the ratio of use_bias"):
         load_config(None, ["loss.policy_loss=vespo", "importance_sampling_level=sequence", "loss_type=grpo"])
 
 

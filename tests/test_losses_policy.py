@@ -392,3 +392,13 @@ def test_vespo_folds_tis_weights_into_its_sequence_weight_and_applies_them_nowhe
     seq = torch.tensor([[1.5], [1.44]], dtype=torch.float64)  # a sequence-level TIS weight enters once
     loss_seq, _ = policy_loss(logp, old, adv, mask, loss="vespo", tis_weights=seq)
     assert_close(grad_of(loss_seq * mask, logp), [[-want[0]] * 3 + [0.0], [want[1]] * 4])
+
+
+def test_masks_carry_no_grad_even_from_a_differentiable_entropy():
+    from rlcore.losses.policy import entropy_mask, off_policy_mask
+
+    entropy = torch.rand(3, 4, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(3, 4, dtype=torch.float64)
+    assert not entropy_mask(entropy, mask, 0.5).requires_grad
+    logp = torch.zeros(3, 4, dtype=torch.float64, requires_grad=True)
+    assert not off_policy_mask(torch.tensor([1.0, -1.0, 0.0]), logp, logp.detach() + 1, mask, 0.5).requires_grad

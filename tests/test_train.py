@@ -294,6 +294,22 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference(tmp_path, embedded_d
     assert any(not torch.equal(initial[n], policy[n]) for n in initial)
 
 
+def test_sync_ref_model_with_a_reference_of_another_architecture_is_an_error_at_start(tmp_path, embedded_dir):
+    import shutil
+    from safetensors.torch import save_file
+
+    other = tmp_path / "one_layer"
+    shutil.copytree(embedded_dir, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["num_hidden_layers"] = 1
+    (other / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v for k, v in weights(other).items() if ".layers.1." not in k}, other / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"model\.ref_path = {other} is another architecture \(model\.layers\.1\."):
+        train(config(tmp_path / "run", "train.max_steps=1", "loss.beta=0.04", "loss.sync_ref_model=true",
+                     f"model.ref_path={other}"))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or rows(tmp_path / "run") == []
+
+
 def test_a_synced_reference_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     steps = ["train.max_steps=4", "train.save_steps=2", "loss.beta=0.04", "loss.sync_ref_model=true",
              "loss.ref_model_sync_steps=1", "loss.ref_model_mixup_alpha=0.6"]
@@ -472,7 +488,9 @@ def test_adaptive_entropy_control_steps_its_coefficient_and_resumes_it(tmp_path,
     steps = ["train.max_steps=4", "train.save_steps=2", "loss.use_adaptive_entropy=true", "loss.entropy_coef=0.01",
              "loss.entropy_coef_delta=0.02", "loss.entropy_target=100.0"]
     assert main(cli_args(tmp_path / "a", *steps)) == 0
-    assert [r["entropy_coef"] for r in rows(tmp_path / "a")] == pytest.approx([0.0, 0.03, 0.05, 0.07])
+    got = rows(tmp_path / "a")
+    assert [r["entropy_coef/applied"] for r in got] == pytest.approx([0.0, 0.03, 0.05, 0.07])
+    assert [r["entropy_coef"] for r in got] == pytest.approx([0.03, 0.05, 0.07, 0.09])  # TRL's: after adapting
     real = rlcore.train.save_checkpoint
 
     def dies_at_step_4(run, step, *args, **kwargs):
@@ -488,6 +506,32 @@ def test_adaptive_entropy_control_steps_its_coefficient_and_resumes_it(tmp_path,
     a, b = weights(tmp_path / "a" / "checkpoint-4" / "model"), weights(tmp_path / "b" / "checkpoint-4" / "model")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [r["entropy_coef"] for r in rows(tmp_path / "b")] == [r["entropy_coef"] for r in rows(tmp_path / "a")]
+
+
+def test_a_resume_takes_a_new_static_entropy_coef_from_the_command_line(tmp_path):
+    # Only adaptive control has state to restore; a fixed coefficient comes from the config.
+    run = tmp_path / "run"
+    assert main(cli_args(run, "train.max_steps=2")) == 0
+    assert main(["train", "--resume", str(run), "--set", "train.max_steps=3", "--set", "loss.entropy_coef=0.5"]) == 0
+    got = rows(run)
+    assert "entropy_coef" not in got[1] and got[2]["entropy_coef/applied"] == 0.5
+
+
+def test_the_entropy_bonus_covers_only_the_tokens_the_entropy_mask_keeps(tmp_path, monkeypatch):
+    from rlcore.losses.entropy import EntropyBonus
+
+    seen, real = [], EntropyBonus.term
+
+    def spy(self, entropy, on, ga):
+        seen.append((on.clone(), entropy.detach()))
+        return real(self, entropy, on, ga)
+
+    monkeypatch.setattr(EntropyBonus, "term", spy)
+    train(config(tmp_path / "run", "train.max_steps=1", "loss.entropy_coef=0.1", "loss.top_entropy_quantile=0.5"))
+    for on, entropy in seen:
+        kept, dropped = entropy[on == 1], entropy[on == 0]
+        assert 0 < len(kept) < on.numel() and set(on.unique().tolist()) <= {0.0, 1.0}
+        assert kept.min() >= dropped[dropped > 0].max() if (dropped > 0).any() else True  # the high-entropy ones
 
 
 def test_off_policy_mask_drops_negative_advantage_rows_the_engine_sampled_far_off_policy(tmp_path, monkeypatch):
@@ -940,3 +984,24 @@ def test_two_ranks_train_one_run_in_sync_and_resume(tmp_path):
     out = torchrun(tmp_path, "train", "--resume", str(run), "--set", "train.max_steps=3")
     assert out.returncode == 0, out.stderr[-3000:]
     assert [r["step"] for r in rows(run)] == [1, 2, 3]
+
+
+def test_two_ranks_run_the_trl_options_that_keep_state_or_reduce_over_ranks(tmp_path):
+    """Adaptive entropy control (all-reduced window, saved), the entropy mask's quantile over ranks,
+    a synced reference, generation_batch_size and num_train_epochs resolved for 2 ranks, the
+    off-policy mask, the repetition penalty and GDPO advantages, under torchrun: the replicas are
+    compared at every checkpoint (a mismatch raises)."""
+    run = tmp_path / "run"
+    args = cli_args(run, "train.per_device_train_batch_size=6", "generation_batch_size=24", "num_train_epochs=0.03",
+                    "train.save_steps=1", "loss.use_adaptive_entropy=true", "loss.entropy_target=100.0",
+                    "loss.top_entropy_quantile=0.5", "loss.beta=0.04", "loss.sync_ref_model=true",
+                    "loss.ref_model_sync_steps=1", "off_policy_mask_threshold=0.5", "rollout.repetition_penalty=1.2",
+                    "multi_objective_aggregation=normalize_then_sum",
+                    f"loss.reward_funcs=['{__name__}:first_digit', 'format']")
+    out = torchrun(tmp_path, *args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "max_steps = 3" in out.stdout  # 256 prompts // 6 per round = 42 rounds x 2 steps x 0.03 -> 3
+    got = rows(run)
+    assert [r["step"] for r in got] == [1, 2, 3]
+    assert [r["entropy_coef/applied"] for r in got] == pytest.approx([0.0, 0.005, 0.01])
+    assert (run / "checkpoint-3" / "ref_model").is_dir()

@@ -50,10 +50,11 @@ class EntropyBonus:
         return self.coef
 
     def term(self, entropy: Tensor, on: Tensor, gradient_accumulation_steps: int) -> Tensor | float:
-        """What one micro-batch subtracts from its loss; records its entropy for adaptive control."""
+        """What one micro-batch subtracts from its loss; records its entropy for adaptive control
+        (on the device: end_step reads it once per step)."""
         if self.adaptive:
-            self.window[0] += float((entropy.detach() * on).sum())
-            self.window[1] += float(on.sum())
+            self.window[0] = self.window[0] + (entropy.detach() * on).sum().double()
+            self.window[1] = self.window[1] + on.sum().double()
         coef = self.applied()
         return coef * mean_entropy(entropy, on, gradient_accumulation_steps) if coef else 0.0
 
@@ -61,7 +62,7 @@ class EntropyBonus:
         """After an optimizer step: adapt the coefficient to the step's entropy over all ranks."""
         if not self.adaptive:
             return
-        total, count = distributed.sum_over_ranks(self.window, world, device)
+        total, count = distributed.sum_over_ranks([float(x) for x in self.window], world, device)
         self.window = [0.0, 0.0]
         self.last_entropy = total / max(count, 1.0)
         if self.last_entropy <= self.target:

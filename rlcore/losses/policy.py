@@ -61,7 +61,6 @@ def _gather_across_ranks(x: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-@torch.no_grad()
 def off_policy_mask(advantages: Tensor, logp: Tensor, samp: Tensor, mask: Tensor, threshold: float) -> Tensor:
     """DeepSeek-V3.2's off-policy sequence mask (arXiv:2512.02556, eq. 9; TRL's
     off_policy_mask_threshold): drop a sequence whose advantage is negative and whose mean
@@ -92,6 +91,7 @@ def vespo_weights(advantages: Tensor, log_ratio: Tensor, mask: Tensor, tis_weigh
     return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
+@torch.no_grad()
 def entropy_mask(entropy: Tensor, mask: Tensor, top_entropy_quantile: float) -> Tensor:
     """Keep the top `top_entropy_quantile` fraction of valid tokens by entropy ("Beyond the 80/20
     rule", 2506.01939): tau = quantile(H over valid tokens of all ranks, 1 - rho); keep H >= tau.
