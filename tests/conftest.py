@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Hugging Face checkpoints built at test time (no downloads).
+"""Shared fixtures: tiny random Hugging Face checkpoints built at test time (no downloads), and
+the embedded default model the loop's tests train.
 
 transformers is a test-only reference; tests that need it skip with a reason where it is absent.
 """
@@ -11,6 +12,9 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import pytest
 import torch
+
+from rlcore.embedded import build_embedded_model
+from rlcore.tasks import unique_problems
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -61,3 +65,36 @@ def hf_checkpoint(tmp_path):
 def read_json(path):
     with open(path) as f:
         return json.load(f)
+
+
+# ---- the embedded default model, for the loop's tests (test_train.py, test_train_options.py)
+
+EMBEDDED_SEED, EMBEDDED_NUM_EVAL = 0, 16
+
+
+@pytest.fixture(scope="session")
+def embedded_cache(tmp_path_factory):
+    """An $RLCORE_CACHE holding the embedded model where `embedded_model_dir` looks for it, built
+    once per session by a 120-step SFT (not 800), on one torch thread. (cache, model dir)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cache = tmp_path_factory.mktemp("rlcore_cache")
+    pool = unique_problems("arithmetic", 10**6, EMBEDDED_SEED)[EMBEDDED_NUM_EVAL:]
+    name = f"embedded-arithmetic-v2-seed{EMBEDDED_SEED}-eval{EMBEDDED_NUM_EVAL}"
+    path = build_embedded_model(cache / name, pool, steps=120, batch_size=64)
+    torch.set_num_threads(threads)
+    return cache, path
+
+
+@pytest.fixture(scope="module")
+def embedded_dir(embedded_cache):
+    """A module's tests run with that cache and one torch thread (the box is shared): use it with
+    `pytestmark = pytest.mark.usefixtures("embedded_dir")`."""
+    cache, path = embedded_cache
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RLCORE_CACHE", str(cache))
+        mp.setenv("OMP_NUM_THREADS", "1")  # for subprocesses
+        yield path
+    torch.set_num_threads(threads)
