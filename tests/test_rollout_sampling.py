@@ -51,6 +51,18 @@ def test_chi2_critical_matches_table():
         assert abs(chi2_critical(df) - table) / table < 0.05
 
 
+def check_draws(tokens, samp, ref):
+    """Draws only from the reference's support, at its frequencies (chi-square, p = 0.001), with
+    sampling log-probs equal to its log-probabilities."""
+    n = len(tokens)
+    assert set(tokens.tolist()) <= set(ref)  # only allowed tokens, ever
+    counts = torch.bincount(tokens, minlength=V).double()
+    stat = sum((counts[i].item() - n * q) ** 2 / (n * q) for i, q in ref.items())
+    assert stat < chi2_critical(len(ref) - 1), (stat, len(ref))
+    expected_samp = torch.tensor([math.log(ref[t]) for t in tokens[:100].tolist()], dtype=torch.float64)
+    torch.testing.assert_close(samp[:100].double(), expected_samp, rtol=0, atol=1e-5)
+
+
 CASES = [
     dict(temperature=1.0),
     dict(temperature=0.6),
@@ -68,13 +80,7 @@ def test_samples_follow_the_filtered_distribution(case):
     n = 40_000
     tokens, samp, full = sample(logits.expand(n, V).contiguous(), **case,
                                 generator=torch.Generator().manual_seed(1))
-    assert set(tokens.tolist()) <= set(ref)  # only allowed tokens, ever
-    counts = torch.bincount(tokens, minlength=V).double()
-    stat = sum((counts[i].item() - n * q) ** 2 / (n * q) for i, q in ref.items())
-    assert stat < chi2_critical(len(ref) - 1), (stat, len(ref))
-
-    expected_samp = torch.tensor([math.log(ref[t]) for t in tokens[:100].tolist()], dtype=torch.float64)
-    torch.testing.assert_close(samp[:100].double(), expected_samp, rtol=0, atol=1e-5)
+    check_draws(tokens, samp, ref)
     full_ref = (logits.double() / case["temperature"]).log_softmax(-1)[tokens[:100]]
     if len(case) == 1:
         assert full is None
@@ -103,12 +109,7 @@ def test_samples_follow_the_repetition_penalised_distribution(case):
     seen[:, seen_ids] = True
     tokens, samp, full = sample(logits.expand(n, V).contiguous(), **case, seen=seen,
                                 generator=torch.Generator().manual_seed(1))
-    assert set(tokens.tolist()) <= set(ref)
-    counts = torch.bincount(tokens, minlength=V).double()
-    stat = sum((counts[i].item() - n * q) ** 2 / (n * q) for i, q in ref.items())
-    assert stat < chi2_critical(len(ref) - 1), (stat, len(ref))
-    expected_samp = torch.tensor([math.log(ref[t]) for t in tokens[:100].tolist()], dtype=torch.float64)
-    torch.testing.assert_close(samp[:100].double(), expected_samp, rtol=0, atol=1e-5)
+    check_draws(tokens, samp, ref)
     full_ref = (logits.double() / case["temperature"]).log_softmax(-1)[tokens[:100]]
     torch.testing.assert_close(full[:100].double(), full_ref, rtol=0, atol=1e-5)
 

@@ -384,24 +384,29 @@ class Killed(BaseException):
     """Stands in for the process dying: nothing after it runs, only what is on disk survives."""
 
 
-def test_resume_after_a_crash_matches_an_uninterrupted_run(tmp_path, monkeypatch, capsys):
-    # Run B dies when it reaches the step-4 checkpoint, after writing metrics rows 3 and 4:
-    # on disk it has checkpoint-2, `latest` -> checkpoint-2, and two rows the resume must drop.
-    import rlcore.train
-
-    steps = ["train.max_steps=4", "train.save_steps=2", "train.log_completions=true", "train.num_completions_to_print=0"]
+def run_and_crash(tmp_path, steps, crash_step=4) -> tuple[Path, Path]:
+    """Run A: the CLI with `steps`, uninterrupted, in tmp_path/a. Run B: the same in tmp_path/b,
+    killed as it reaches its step-`crash_step` checkpoint (the metrics rows before it written)."""
     assert main(cli_args(tmp_path / "a", *steps)) == 0
     real = rlcore.train.save_checkpoint
 
-    def dies_at_step_4(run, step, *args, **kwargs):
-        if step == 4:
+    def dies(run, step, *args, **kwargs):
+        if step == crash_step:
             raise Killed
         return real(run, step, *args, **kwargs)
 
-    monkeypatch.setattr(rlcore.train, "save_checkpoint", dies_at_step_4)
-    with pytest.raises(Killed):
-        main(cli_args(tmp_path / "b", *steps))
-    monkeypatch.undo()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rlcore.train, "save_checkpoint", dies)
+        with pytest.raises(Killed):
+            main(cli_args(tmp_path / "b", *steps))
+    return tmp_path / "a", tmp_path / "b"
+
+
+def test_resume_after_a_crash_matches_an_uninterrupted_run(tmp_path, capsys):
+    # Run B dies when it reaches the step-4 checkpoint, after writing metrics rows 3 and 4:
+    # on disk it has checkpoint-2, `latest` -> checkpoint-2, and two rows the resume must drop.
+    steps = ["train.max_steps=4", "train.save_steps=2", "train.log_completions=true", "train.num_completions_to_print=0"]
+    run_and_crash(tmp_path, steps)
     assert [r["step"] for r in rows(tmp_path / "b")] == [1, 2, 3, 4]
     assert latest_checkpoint(tmp_path / "b").name == "checkpoint-2"
 

@@ -17,7 +17,7 @@ import rlcore.train
 from rlcore.checkpoint import latest_checkpoint
 from rlcore.cli import main
 from rlcore.train import train
-from test_train import TIMING, Killed, cli_args, config, rows, torchrun, weights
+from test_train import TIMING, cli_args, config, rows, run_and_crash, torchrun, weights
 
 pytestmark = pytest.mark.usefixtures("embedded_dir")  # conftest: the embedded model, one torch thread
 
@@ -125,21 +125,10 @@ def test_sync_ref_model_with_a_reference_of_another_architecture_is_an_error_at_
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or rows(tmp_path / "run") == []
 
 
-def test_a_synced_reference_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+def test_a_synced_reference_resumes_from_its_checkpoint(tmp_path):
     steps = ["train.max_steps=4", "train.save_steps=2", "loss.beta=0.04", "loss.sync_ref_model=true",
              "loss.ref_model_sync_steps=1", "loss.ref_model_mixup_alpha=0.6"]
-    assert main(cli_args(tmp_path / "a", *steps)) == 0
-    real = rlcore.train.save_checkpoint
-
-    def dies_at_step_4(run, step, *args, **kwargs):
-        if step == 4:
-            raise Killed
-        return real(run, step, *args, **kwargs)
-
-    monkeypatch.setattr(rlcore.train, "save_checkpoint", dies_at_step_4)
-    with pytest.raises(Killed):
-        main(cli_args(tmp_path / "b", *steps))
-    monkeypatch.undo()
+    run_and_crash(tmp_path, steps)
     assert (tmp_path / "b" / "checkpoint-2" / "ref_model").is_dir()
     assert main(["train", "--resume", str(tmp_path / "b")]) == 0
     for part in ("model", "ref_model"):
@@ -178,26 +167,15 @@ def test_entropy_bonus_raises_the_policy_entropy_and_a_penalty_lowers_it(tmp_pat
     assert ent[1][-1] > ent[1][0] + 0.02 and ent[-1][-1] < ent[-1][0] - 0.02, ent
 
 
-def test_adaptive_entropy_control_steps_its_coefficient_and_resumes_it(tmp_path, monkeypatch):
+def test_adaptive_entropy_control_steps_its_coefficient_and_resumes_it(tmp_path):
     # entropy_target far above any entropy: every step's entropy is below it, so the coefficient
     # grows by delta per step; it applies from step 2 (step 1 has no measurement yet).
     steps = ["train.max_steps=4", "train.save_steps=2", "loss.use_adaptive_entropy=true", "loss.entropy_coef=0.01",
              "loss.entropy_coef_delta=0.02", "loss.entropy_target=100.0"]
-    assert main(cli_args(tmp_path / "a", *steps)) == 0
+    run_and_crash(tmp_path, steps)
     got = rows(tmp_path / "a")
     assert [r["entropy_coef/applied"] for r in got] == pytest.approx([0.0, 0.03, 0.05, 0.07])
     assert [r["entropy_coef"] for r in got] == pytest.approx([0.03, 0.05, 0.07, 0.09])  # TRL's: after adapting
-    real = rlcore.train.save_checkpoint
-
-    def dies_at_step_4(run, step, *args, **kwargs):
-        if step == 4:
-            raise Killed
-        return real(run, step, *args, **kwargs)
-
-    monkeypatch.setattr(rlcore.train, "save_checkpoint", dies_at_step_4)
-    with pytest.raises(Killed):
-        main(cli_args(tmp_path / "b", *steps))
-    monkeypatch.undo()
     assert main(["train", "--resume", str(tmp_path / "b")]) == 0
     a, b = weights(tmp_path / "a" / "checkpoint-4" / "model"), weights(tmp_path / "b" / "checkpoint-4" / "model")
     assert all(torch.equal(a[k], b[k]) for k in a)
