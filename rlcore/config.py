@@ -452,6 +452,19 @@ def normalize(d: dict) -> dict:
                 out.setdefault("rollout", {})[GENERATION_KWARGS[key]] = value
         elif kwargs is not None:
             out[section]["generation_kwargs"] = kwargs  # not a table: Config.from_dict names the problem
+        kwargs = out[section].pop("model_init_kwargs", None)  # TRL's: how from_pretrained loads the policy
+        if isinstance(kwargs, dict):
+            for key, value in kwargs.items():
+                if key in ("dtype", "torch_dtype"):
+                    out.setdefault("model", {})["dtype"] = value
+                elif key in ("attn_implementation", "use_cache", "low_cpu_mem_usage"):
+                    warnings.warn(f"TRL's model_init_kwargs {key} = {value!r} is ignored: rlcore's model code "
+                                  f"attends with torch's SDPA and loads weights itself", stacklevel=3)
+                else:
+                    raise ConfigError(f"model_init_kwargs key {key!r} (= {value!r}) has no rlcore equivalent; "
+                                      f"rlcore takes dtype (or torch_dtype), as model.dtype")
+        elif kwargs is not None:
+            out[section]["model_init_kwargs"] = kwargs
     return out
 
 

@@ -36,11 +36,12 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     "remove_unused_columns": (ANY, "every dataset column reaches the reward functions"),
     "shuffle_dataset": ((True,), "rlcore always shuffles the prompts (train.seed sets the order)"),
     "gradient_checkpointing_kwargs": (ANY, "train.gradient_checkpointing always recomputes without reentrancy"),
-    "use_liger_kernel": ((False,), "rlcore's log-probs are chunked already (no [B, T, V] logits)"),
+    "use_liger_kernel": (ANY, "rlcore's log-probs are chunked already (no [B, T, V] logits), which is the memory "
+                              "Liger's fused loss saves"),
     "activation_checkpointing_kwargs": (ANY, "train.gradient_checkpointing always recomputes without reentrancy"),
-    "torch_compile": ((False,), "rlcore runs eager"),
+    "torch_compile": (ANY, "rlcore runs eager (the same computation; README's benchmarks say what compiling gained)"),
     "use_cpu": ((False,), "set train.device = 'cpu'"),
-    "tf32": ((None, False), "rlcore leaves fp32 matmuls at full precision; for speed on GPU set train.bf16 = true"),
+    "tf32": (ANY, "rlcore leaves fp32 matmuls at full precision; for speed on GPU set train.bf16 = true"),
     "deepspeed": ((None,), "rlcore's data parallelism is torchrun --nproc_per_node=N (rlcore.distributed)"),
     "fsdp": (("", None), "rlcore's data parallelism is torchrun --nproc_per_node=N (rlcore.distributed)"),
     "ddp_find_unused_parameters": (ANY, "rlcore averages every gradient itself (rlcore.distributed)"),
@@ -60,7 +61,8 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     # run length and schedule
     # loss
     # models
-    "model_init_kwargs": ((None,), "set the weights' dtype with model.dtype; rlcore takes no other loading options"),
+    "model_init_kwargs": ((None,), "give it as a table (dtype or torch_dtype, attn_implementation), or set "
+                                   "model.dtype"),
     "trust_remote_code": (ANY, "rlcore runs its own Llama / Qwen2 / Qwen3 code, never a checkpoint's"),
     "use_cache": (ANY, "rlcore's rollout engine keeps its own key/value cache; training runs without one"),
     "router_aux_loss_coef": ((None,), "rlcore has no mixture-of-experts models"),
@@ -70,9 +72,9 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     "optim_args": ((None,), "rlcore's AdamW takes train.adam_beta1, adam_beta2, adam_epsilon and weight_decay"),
     "optim_target_modules": ((None,), "rlcore's AdamW trains every parameter"),
     "average_tokens_across_devices": ((True,), "rlcore's dapo always counts the tokens of all ranks"),
-    "torch_compile_backend": ((None,), "rlcore runs eager"),
-    "torch_compile_mode": ((None,), "rlcore runs eager"),
-    "liger_kernel_config": ((None,), "rlcore's log-probs are chunked already (no [B, T, V] logits)"),
+    "torch_compile_backend": (ANY, "rlcore runs eager"),
+    "torch_compile_mode": (ANY, "rlcore runs eager"),
+    "liger_kernel_config": (ANY, "rlcore's log-probs are chunked already (no [B, T, V] logits)"),
     "torch_empty_cache_steps": (ANY, "rlcore leaves PyTorch's CUDA cache alone"),
     "auto_find_batch_size": ((False,), "set train.per_device_train_batch_size yourself"),
     "full_determinism": ((False,), "rlcore seeds every generator from train.seed; CPU runs repeat exactly"),

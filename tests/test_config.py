@@ -107,6 +107,12 @@ def test_generation_kwargs_set_the_rollout_options_they_name_and_win_over_them(t
     assert (r.repetition_penalty, r.min_p) == (1.2, 0.1)
 
 
+def test_model_init_kwargs_dtype_sets_model_dtype():
+    with pytest.warns(UserWarning, match="no fp32 master copy"):
+        assert load_config(None, ["model_init_kwargs={torch_dtype = 'bfloat16'}"]).model.dtype == "bfloat16"
+    assert load_config(None, ["model_init_kwargs={dtype = 'float32'}"]).model.dtype == "float32"
+
+
 def test_epsilon_high_defaults_to_epsilon():
     assert load_config(None, ["loss.epsilon=0.3"]).loss.epsilon_high == 0.3
 
@@ -221,7 +227,9 @@ def test_a_trl_config_loads_and_says_what_it_ignores(tmp_path):
 @pytest.mark.parametrize("line, fix", [
     ("use_vllm = true", r"use_vllm = True is not an rlcore option: rlcore generates with its own engine"),
     ("fp16 = true", r"set train\.bf16 = true"),
-    ("tf32 = true", r"rlcore leaves fp32 matmuls at full precision"),
+    ("model_init_kwargs = {device_map = 'auto'}", r"model_init_kwargs key 'device_map' \(= 'auto'\) has no rlcore "
+                                                 r"equivalent; rlcore takes dtype \(or torch_dtype\), as model\.dtype"),
+    ("model_init_kwargs = {torch_dtype = 'auto'}", r"model\.dtype = 'auto' is not a valid choice"),
     ("generation_kwargs = {num_beams = 3}", r"generation_kwargs key 'num_beams' \(= 3\) has no rlcore equivalent; "
                                             r"rlcore's rollout takes temperature, top_p"),
     ("[train]\nuse_cpu = true", r"set train\.device = 'cpu'"),
@@ -254,6 +262,10 @@ def test_every_option_of_trl_grpo_config_is_an_rlcore_option_or_explained():
     ("trust_remote_code = true", "rlcore runs its own Llama / Qwen2 / Qwen3 code"),
     ("dataloader_num_workers = 4\ndataloader_pin_memory = true", "reads its prompts in the training process"),
     ("hub_strategy = 'checkpoint'", "cannot reach a model hub"),
+    ("torch_compile = true", "rlcore runs eager"),  # speed settings
+    ("tf32 = true", "rlcore leaves fp32 matmuls at full precision"),
+    ("use_liger_kernel = true", "the memory Liger's fused loss saves"),
+    ("model_init_kwargs = {attn_implementation = 'flash_attention_2'}", "attends with torch's SDPA"),
     ("vllm_importance_sampling_correction = true", r"only with use_vllm = true.*loss\.tis_mode"),  # TRL's default
 ])
 def test_trl_training_arguments_that_change_nothing_are_dropped_with_a_warning(line, said, tmp_path):
