@@ -108,6 +108,19 @@ def lr_lambda(cfg: Config, total_steps: int):
     return f
 
 
+def reference_model(cfg: Config, model, model_dir: Path, ck: Path | None, device) -> torch.nn.Module:
+    """The KL reference: model.ref_path or the initial policy, or on --resume the copy a checkpoint
+    holds once loss.sync_ref_model has changed it. sync_ref_model needs the policy's architecture."""
+    synced = ck / "ref_model" if ck and (ck / "ref_model").is_dir() else None
+    ref = load_model(synced or cfg.model.ref_path or model_dir, cfg.model.dtype, device).eval()
+    differ = weight_layout_difference(ref, model) if cfg.loss.sync_ref_model else None
+    if differ:
+        raise ValueError(f"loss.sync_ref_model mixes the policy into the reference weight by weight, but "
+                         f"model.ref_path = {cfg.model.ref_path} is another architecture ({differ}); use a "
+                         f"checkpoint of the policy's architecture or leave model.ref_path unset")
+    return ref
+
+
 def embedded_model_dir(cfg: Config, rank: int = 0, world: int = 1) -> Path:
     """The embedded default checkpoint, built on first run from the task's training problems.
 
@@ -197,15 +210,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
     model = load_model(ck / "model" if ck else model_dir, cfg.model.dtype, device)
     model.gradient_checkpointing = t.gradient_checkpointing
     check_vocab_fits(tok, model.config.vocab_size, model_dir)
-    ref = None
-    if lc.beta:  # a synced reference (loss.sync_ref_model) resumes from its checkpoint's copy
-        synced = ck / "ref_model" if ck and (ck / "ref_model").is_dir() else None
-        ref = load_model(synced or cfg.model.ref_path or model_dir, cfg.model.dtype, device).eval()
-        differ = weight_layout_difference(ref, model) if lc.sync_ref_model else None
-        if differ:
-            raise ValueError(f"loss.sync_ref_model mixes the policy into the reference weight by weight, but "
-                             f"model.ref_path = {cfg.model.ref_path} is another architecture ({differ}); use a "
-                             f"checkpoint of the policy's architecture or leave model.ref_path unset")
+    ref = reference_model(cfg, model, model_dir, ck, device) if lc.beta else None
     for split in (train_set, eval_set):
         ids = encode_prompts(split, tok, cfg.data.system_prompt, cfg.data.use_chat_template,
                              cfg.data.max_prompt_length, cfg.data.chat_template_kwargs)
