@@ -441,7 +441,14 @@ def normalize(d: dict) -> dict:
             raise ConfigError(f"config key {key} is set twice: flat ({key} = {value!r}) and in "
                               f"[{section}] ({name} = {out[section][name]!r}); keep one")
         out.setdefault(section, {})[name] = value
-    for section in list(out):  # TRL's generation_kwargs: sampling settings that override the named options
+    _expand_trl_tables(out)
+    return out
+
+
+def _expand_trl_tables(out: dict) -> None:
+    """TRL's generation_kwargs (sampling settings, which win over the named options, as in TRL) and
+    model_init_kwargs (how from_pretrained loads the policy) become the rlcore options they set."""
+    for section in list(out):
         kwargs = out[section].pop("generation_kwargs", None)
         if isinstance(kwargs, dict):
             for key, value in kwargs.items():
@@ -452,7 +459,7 @@ def normalize(d: dict) -> dict:
                 out.setdefault("rollout", {})[GENERATION_KWARGS[key]] = value
         elif kwargs is not None:
             out[section]["generation_kwargs"] = kwargs  # not a table: Config.from_dict names the problem
-        kwargs = out[section].pop("model_init_kwargs", None)  # TRL's: how from_pretrained loads the policy
+        kwargs = out[section].pop("model_init_kwargs", None)
         if isinstance(kwargs, dict):
             for key, value in kwargs.items():
                 if key in ("dtype", "torch_dtype"):
@@ -465,7 +472,6 @@ def normalize(d: dict) -> dict:
                                       f"rlcore takes dtype (or torch_dtype), as model.dtype")
         elif kwargs is not None:
             out[section]["model_init_kwargs"] = kwargs
-    return out
 
 
 GENERATION_KWARGS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
