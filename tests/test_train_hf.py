@@ -259,3 +259,33 @@ def test_num_train_epochs_gives_the_steps_trl_trains_for(prompts, b, ga, spg, mu
     S = generation_steps(cfg.train, 1)
     assert cfg.train.max_steps == -1
     assert epoch_steps(prompts, b * S // G, S * mu // ga, epochs) == trl_steps
+
+
+TRL_STYLE_CONFIG = Path(__file__).parent.parent / "configs" / "trl-style-grpo.toml"
+
+
+def test_the_shipped_trl_style_recipe_loads_unchanged_and_trains(qwen_dir, gsm8k_file, tmp_path):
+    """configs/trl-style-grpo.toml is flat TRL GRPOConfig keys: each lands in its rlcore option,
+    the TRL-only ones are dropped with a warning naming them, and the loop runs it."""
+    run = tmp_path / "run"
+    with pytest.warns(UserWarning) as caught:
+        cfg = load_config(str(TRL_STYLE_CONFIG), [
+            f"model.path={qwen_dir}", f"data.path={gsm8k_file}", f"data.eval_path={gsm8k_file}",
+            "data.prompt_column=question", "train.device=cpu", "train.bf16=false", "train.max_steps=2",
+            "train.gradient_accumulation_steps=1", "rollout.max_completion_length=8", f"train.output_dir={run}"])
+    dropped = {str(w.message).split(" = ")[0].removeprefix("TRL's ") for w in caught}
+    assert dropped == {"model_init_kwargs attn_implementation", "gradient_checkpointing_kwargs", "use_vllm",
+                       "save_strategy", "report_to"}
+    t, r, lo = cfg.train, cfg.rollout, cfg.loss
+    assert (r.num_generations, r.temperature, r.top_p, r.max_completion_length) == (16, 0.7, 0.95, 8)
+    assert (t.lr_scheduler_type, t.lr_scheduler_kwargs, t.warmup_ratio) == ("cosine_with_min_lr", {"min_lr_rate": 0.1}, 0.1)
+    assert (t.gradient_checkpointing, t.num_train_epochs, t.log_completions) == (True, 1.0, True)
+    assert (lo.beta, lo.epsilon_high, lo.mask_truncated_completions, lo.reward_funcs) == (
+        0.001, 0.28, True, ["accuracy", "format"])
+    with pytest.warns(UserWarning):
+        assert load_config(str(TRL_STYLE_CONFIG), [f"data.path={gsm8k_file}"]).train.max_steps == -1  # epochs
+
+    train(cfg)
+    got = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in got] == [1, 2] and all(r["loss"] is not None for r in got)
+    assert got[0]["lr"] == pytest.approx(3e-6 * 1 / 2)  # warmup: step 0 of ceil(0.1 * 2) = 1 runs at (0+1)/(1+1)
