@@ -672,11 +672,18 @@ def validate(config: Config, world_size: int = 1) -> None:
                 f"train.per_device_train_batch_size to a multiple of {step} (e.g. "
                 f"{' or '.join(map(str, bs))})" + (f" or rollout.num_generations to one of {gs}" if gs else ""))
         if S % GA:
+            fixes = sorted({GA * max(1, S // GA), GA * (S // GA + 1)})
+            if t.steps_per_generation is None:  # S came from generation_batch_size
+                what = (f"train.generation_batch_size = {t.generation_batch_size} gives steps_per_generation = "
+                        f"{t.generation_batch_size} / ({b} * {world_size}) = {S}, which")
+                fix = f"generation_batch_size to {' or '.join(str(f * b * world_size) for f in fixes)}"
+            else:
+                what, fix = f"train.steps_per_generation = {S}", f"steps_per_generation to {' or '.join(map(str, fixes))}"
             problems.append(
-                f"train.steps_per_generation = {S} is not a multiple of train.gradient_accumulation_steps "
+                f"{what} is not a multiple of train.gradient_accumulation_steps "
                 f"= {GA}: an optimizer step takes GA micro-batches and must not straddle two passes "
                 f"over the generation batch (steps per round = S * num_iterations / GA); set "
-                f"steps_per_generation to {GA * max(1, S // GA)} or {GA * (S // GA + 1)}, or leave it unset (= GA)")
+                f"{fix}, or leave it unset (= GA)")
 
     need(d.task != "jsonl" or bool(d.path), f"data.task = 'jsonl' needs data.path (now {d.path!r}) "
          f"to name a JSONL file; --set data.path=/path/to/train.jsonl")

@@ -69,7 +69,9 @@ def test_generation_batch_size_sets_steps_per_generation_for_the_world_size():
                                           r"per_device_train_batch_size \* world size = 8 \* 1 = 8; set it to 16 "
                                           r"or 24, or leave it unset \(= 16"):
         load_config(None, [*base, "generation_batch_size=20"])
-    with pytest.raises(ConfigError, match=r"train\.steps_per_generation = 3 is not a multiple of .*gradient_acc"):
+    with pytest.raises(ConfigError, match=r"train\.generation_batch_size = 24 gives steps_per_generation = 24 / "
+                                          r"\(8 \* 1\) = 3, which is not a multiple of .*set generation_batch_size "
+                                          r"to 16 or 32, or leave it unset"):
         load_config(None, [*base, "generation_batch_size=24"])
     with pytest.raises(ConfigError, match=r"generation_batch_size = 32 and train\.steps_per_generation = 4 are both set"):
         load_config(None, [*base, "generation_batch_size=32", "steps_per_generation=4"])
@@ -448,6 +450,9 @@ def test_steps_per_generation_must_be_multiple_of_gradient_accumulation():
                                           r"train\.gradient_accumulation_steps = 4.*"
                                           r"set steps_per_generation to 4 or 8"):
         load_config(None, ["train.gradient_accumulation_steps=4", "train.steps_per_generation=6",
+                           "train.per_device_train_batch_size=8"])
+    with pytest.raises(ConfigError, match=r"set steps_per_generation to 8, or leave it unset"):  # S < GA: one fix
+        load_config(None, ["train.gradient_accumulation_steps=8", "train.steps_per_generation=2",
                            "train.per_device_train_batch_size=8"])
 
 
