@@ -72,11 +72,22 @@ def main(argv: list[str] | None = None) -> int:
     from rlcore.train import train
 
     run = Path(cfg.train.output_dir)
+    if args.resume and not run.is_dir():
+        print(f"rlcore: error: --resume {run}: no such run directory", file=sys.stderr)
+        return 1
     if args.resume and not (run / "latest").is_file():
         print(f"rlcore: error: --resume {run}: no checkpoint there (no `latest` file)", file=sys.stderr)
         return 1
     t0 = time.time()
     try:
+        if args.resume:  # a finished run: say so before anything is evaluated or rewritten
+            from rlcore.checkpoint import latest_checkpoint, load_trainer_state
+
+            done = load_trainer_state(latest_checkpoint(run))["step"]
+            if cfg.train.max_steps != -1 and done >= cfg.train.max_steps:  # -1: counted from the data in train()
+                raise ValueError(f"--resume {run}: its checkpoint is at step {done} and train.max_steps = "
+                                 f"{cfg.train.max_steps}, so there is nothing to train; continue it with --set "
+                                 f"train.max_steps={done + 100} (or any number above {done})")
         result = train(cfg, resume=args.resume,
                        on_start=lambda: (run / "config.toml").write_text(dump_config(cfg)))
     except (ValueError, TypeError, OSError) as e:

@@ -51,7 +51,11 @@ from rlcore.tokenizer import Tokenizer, check_vocab_fits
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"train.device = {name!r}, but this machine has no CUDA device torch can use; "
+                         f"--set train.device=cpu (and --set train.bf16=false unless the CPU has AMX)")
+    return device
 
 
 def reuse_freed_memory() -> bool:

@@ -625,8 +625,29 @@ def test_cli_refuses_to_train_over_an_existing_run(tmp_path, capsys):
 
 def test_cli_resume_of_a_directory_without_checkpoints_is_an_error(tmp_path, capsys):
     assert main(["train", "--resume", str(tmp_path / "nothing")]) == 1
-    assert "no checkpoint there" in capsys.readouterr().err
+    assert "no such run directory" in capsys.readouterr().err
     assert not (tmp_path / "nothing").exists()
+    (tmp_path / "empty").mkdir()
+    assert main(["train", "--resume", str(tmp_path / "empty")]) == 1
+    assert "no checkpoint there" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_on_a_machine_without_it_is_an_error_naming_the_fix(tmp_path, capsys):
+    assert main(cli_args(tmp_path / "run", "train.device=cuda")) == 1  # was a raw traceback from pin_memory
+    assert "train.device = 'cuda', but this machine has no CUDA device" in capsys.readouterr().err
+
+
+def test_cli_resume_of_a_finished_run_says_there_is_nothing_to_train_and_changes_nothing(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(cli_args(run, "train.max_steps=2")) == 0
+    files = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    for extra in ([], ["--set", "train.max_steps=1"]):
+        capsys.readouterr()
+        assert main(["train", "--resume", str(run), *extra]) == 1
+        err = capsys.readouterr().err
+        assert "its checkpoint is at step 2 and train.max_steps = " in err and "--set train.max_steps=102" in err
+        assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == files  # config.toml, eval.jsonl kept
 
 
 def test_cli_output_dir_that_is_a_file_is_an_error(tmp_path, capsys):
