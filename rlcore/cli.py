@@ -20,7 +20,8 @@ def plot_metrics(run_dir: Path) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "no plot: matplotlib is not installed (pip install 'rlcore[plot]' to get curve.png)"
+        return ("no plot: matplotlib is not installed (pip install -e \".[plot]\" in a checkout, or pip install "
+                "matplotlib, to get curve.png)")
     rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [json.loads(ln) for ln in (run_dir / "eval.jsonl").read_text().splitlines()]
     steps, reward = [r["step"] for r in rows], [r["reward/mean"] for r in rows]

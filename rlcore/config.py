@@ -219,7 +219,7 @@ class TrainArgs:
     output_dir: str = "runs/rlcore"
     """directory for metrics, checkpoints and the resolved config; "{time}" becomes the start time"""
     logging_steps: int = 1
-    """print a progress line every this many optimizer steps (metrics.jsonl gets every step)"""
+    """print a progress line every this many optimizer steps, and at the first and last (metrics.jsonl gets every step)"""
     log_completions: bool = False
     """append every completion with its rewards and advantage to completions.jsonl, and print some"""
     num_completions_to_print: int | None = None

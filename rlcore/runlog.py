@@ -38,9 +38,12 @@ def reduce_metrics(parts: list[dict], world: int = 1, device: torch.device | Non
 
 
 def log_line(step: int, max_steps: int, m: dict) -> str:
+    """The progress line: kl_old is the policy's KL to the rollout policy (k3; 0 on-policy),
+    kl_ref (with beta > 0) to the reference model, TRL's `kl`."""
     clip = f"clip {m['clip_ratio/region']:.3f}  " if "clip_ratio/region" in m else ""  # ppo only
+    kl_ref = f"kl_ref {m['kl_ref']:.4f}  " if m.get("kl_ref") is not None else ""
     return (f"step {step:>4}/{max_steps}  reward {m['reward/mean']:.3f}  acc {m['reward/accuracy']:.3f}  "
-            f"kl {m['kl_old/k3']:.4f}  {clip}len {m['completion/len_mean']:.1f}  "
+            f"kl_old {m['kl_old/k3']:.4f}  {kl_ref}{clip}len {m['completion/len_mean']:.1f}  "
             f"gen {m['tokens_per_s/rollout']:.0f} tok/s  time rollout {m['time/rollout']:.1f}s "
             f"score {m['time/scoring']:.2f}s update {m['time/update']:.1f}s")
 

@@ -459,7 +459,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                     with open(metrics_file, "a") as f:
                         f.write(json.dumps({k_: None if isinstance(v, float) and not math.isfinite(v) else v
                                             for k_, v in met.items()}) + "\n")  # strict JSON: NaN -> null
-                if main and (step % t.logging_steps == 0 or step == 1):
+                if main and (step % t.logging_steps == 0 or step in (1, max_steps)):
                     print(log_line(step, max_steps, met), flush=True)
                 step_metrics, t_update = [], time.time()
                 if step >= max_steps:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rlcore.losses.policy import policy_loss
-from rlcore.runlog import drop_rows_after, log_completions, reduce_metrics
+from rlcore.runlog import drop_rows_after, log_completions, log_line, reduce_metrics
 
 
 def test_step_metrics_weight_micro_batches_by_active_tokens():
@@ -67,3 +67,11 @@ def test_a_resume_drops_rows_after_the_checkpoint_and_a_line_cut_short(tmp_path)
     file.write_text('{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n{"step": 3, "x": 3}\n{"step": 3, "comp')
     drop_rows_after(file, 2)
     assert file.read_text() == '{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n'
+
+
+def test_the_progress_line_names_kl_old_and_with_a_reference_kl_ref():
+    m = {"reward/mean": 0.5, "reward/accuracy": 0.25, "kl_old/k3": 0.0012, "completion/len_mean": 3.0,
+         "tokens_per_s/rollout": 100.0, "time/rollout": 1.0, "time/scoring": 0.01, "time/update": 2.0}
+    line = log_line(3, 10, m)
+    assert "kl_old 0.0012" in line and "kl_ref" not in line and line.startswith("step    3/10")
+    assert "kl_old 0.0012  kl_ref 0.0550" in log_line(3, 10, {**m, "kl_ref": 0.055})

@@ -605,6 +605,12 @@ def test_bad_jsonl_row_names_the_file_and_line(tmp_path, embedded_dir):
 
 # ----------------------------------------------------------------------------- the CLI
 
+def test_progress_lines_cover_the_first_and_last_step_whatever_logging_steps_is(tmp_path, capsys):
+    train(config(tmp_path / "run", "train.max_steps=3", "train.logging_steps=100"))
+    steps = re.findall(r"^step +(\d+)/3 ", capsys.readouterr().out, re.M)
+    assert steps == ["1", "3"]
+
+
 def test_cli_last_line_reports_held_out_accuracy_before_and_after(tmp_path, capsys):
     assert main(cli_args(tmp_path / "run", "train.max_steps=1")) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
