@@ -573,6 +573,8 @@ def _check_type(key: str, value, tp):
         if typing.get_origin(t) is Literal and any(type(a) is type(value) for a in typing.get_args(t)):
             choices = typing.get_args(t)
             close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            if key == "train.device" and str(value).lower().startswith("gpu"):
+                close = ["cuda"]  # torch's name for the GPU; difflib would suggest 'cpu'
             hint = f"; did you mean {close[0]!r}?" if close else ""
             also = ", or true / false" if bool in base else ""
             raise ConfigError(f"{key} = {value!r} is not a valid choice; valid: "
@@ -726,7 +728,8 @@ def validate(config: Config, world_size: int = 1) -> None:
              f"loss.entropy_coef = {lo.entropy_coef} must lie in [entropy_coef_min, entropy_coef_max] = "
              f"[{lo.entropy_coef_min}, {lo.entropy_coef_max}] with loss.use_adaptive_entropy = true; it is "
              f"the starting coefficient")
-    need(lo.epsilon > 0, f"loss.epsilon = {lo.epsilon} must be > 0 (0.2 is the usual value)")
+    need(0 < lo.epsilon < 1, f"loss.epsilon = {lo.epsilon} must be in (0, 1): ratios below 1 - epsilon are "
+         f"clipped (0.2 is the usual value)")
     need(lo.epsilon_high > 0, f"loss.epsilon_high = {lo.epsilon_high} must be > 0 (DAPO uses 0.28)")
     need(lo.delta is None or lo.delta > 1, f"loss.delta = {lo.delta} must be > 1 (it caps ratios "
          f"above 1; e.g. 1 + epsilon_high + 0.5), or none to turn it off")

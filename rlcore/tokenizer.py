@@ -71,7 +71,12 @@ def checkpoint_dir_problem(path: Path) -> str | None:
     if path.is_dir():
         return None
     problem = "is a file, not a checkpoint directory" if path.exists() else "checkpoint directory not found"
-    return f"{path}: {problem}; give a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)"
+    hint = ""
+    if not path.exists() and not path.is_absolute() and len(path.parts) == 2:  # reads like a hub id, org/name
+        hint = (f"; rlcore never downloads: fetch it first, e.g. huggingface-cli download {path.as_posix()} "
+                f"--local-dir ckpt/{path.name}, then give that directory")
+    return (f"{path}: {problem}; give a Hugging Face checkpoint directory (config.json, *.safetensors, "
+            f"tokenizer.json){hint}")
 
 
 def token_content(value: Any) -> Any:

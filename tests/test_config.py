@@ -462,7 +462,9 @@ def test_num_generations_below_two_is_an_error():
 
 
 @pytest.mark.parametrize("item, expected", [
-    ("loss.epsilon=0", r"loss\.epsilon = 0\.0 must be > 0"),
+    ("loss.epsilon=0", r"loss\.epsilon = 0\.0 must be in \(0, 1\)"),
+    ("loss.epsilon=2", r"loss\.epsilon = 2\.0 must be in \(0, 1\): ratios below 1 - epsilon are clipped"),
+    ("train.device=gpu", r"train\.device = 'gpu' is not a valid choice; valid: 'auto', 'cpu', 'cuda'; did you mean 'cuda'"),
     ("rollout.top_p=1.5", r"rollout\.top_p = 1\.5 must be in \(0, 1\]"),
     ("rollout.repetition_penalty=0", r"rollout\.repetition_penalty = 0\.0 must be > 0; 1\.0 = off"),
     ("rollout.temperature=0", r"rollout\.temperature = 0\.0 must be > 0"),

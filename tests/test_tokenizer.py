@@ -469,6 +469,14 @@ def test_a_path_that_is_not_a_directory_is_named(tmp_path, kind):
         Tokenizer.from_dir(path)
 
 
+def test_a_missing_path_that_reads_like_a_hub_id_says_rlcore_never_downloads(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"Qwen/Qwen2\.5-0\.5B: checkpoint directory not found; .*rlcore never "
+                                                r"downloads: fetch it first, e\.g\. huggingface-cli download "
+                                                r"Qwen/Qwen2\.5-0\.5B --local-dir ckpt/Qwen2\.5-0\.5B"):
+        Tokenizer.from_dir(Path("Qwen/Qwen2.5-0.5B"))
+
+
 def test_corrupt_tokenizer_json_names_the_file(tmp_path):
     path = qwen_checkpoint(tmp_path)
     (path / "tokenizer.json").write_text('{"version": "1.0", "model": ')
