@@ -62,8 +62,13 @@ def buggy(answer: str) -> str:
 
 def build_embedded_model(path: str | Path, examples: list[dict], *, noise: float = 0.6,
                          steps: int = 800, batch_size: int = 128, lr: float = 3e-3,
-                         seed: int = 0) -> Path:
-    """Create (once) the embedded checkpoint at `path` from task examples with `prompt`/`answer`."""
+                         seed: int = 0, threads: int | None = 2) -> Path:
+    """Create (once) the embedded checkpoint at `path` from task examples with `prompt`/`answer`.
+
+    The SFT runs on `threads` torch threads (None: as the process is set), then the process's
+    count is restored. Floating-point sums depend on the thread count, so a fixed count gives a
+    first run the same warm start whatever OMP_NUM_THREADS says (torchrun sets 1): 2 is what the
+    README's before/after accuracies come from."""
     path = Path(path)
     if (path / "model.safetensors").is_file():
         return path
@@ -82,8 +87,13 @@ def build_embedded_model(path: str | Path, examples: list[dict], *, noise: float
     answers = [buggy(ex["answer"]) if i < n_bug else ex["answer"]
                for ex in examples for i in range(DEMOS_PER_PROBLEM)]
     completions = [tok.encode(a) + [tok.eos_token_id] for a in answers]
-    sft(model, prompts, completions, pad_id=tok.pad_token_id, steps=steps,
-        batch_size=batch_size, lr=lr, seed=seed, log_every=100)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        sft(model, prompts, completions, pad_id=tok.pad_token_id, steps=steps,
+            batch_size=batch_size, lr=lr, seed=seed, log_every=100)
+    finally:
+        torch.set_num_threads(before)
     files = {n: tmp / n for n in ("tokenizer.json", "tokenizer_config.json", "generation_config.json")}
     save_model(model, path, extra_files=files)
     for f in files.values():

@@ -81,7 +81,7 @@ def embedded_cache(tmp_path_factory):
     cache = tmp_path_factory.mktemp("rlcore_cache")
     pool = unique_problems("arithmetic", 10**6, EMBEDDED_SEED)[EMBEDDED_NUM_EVAL:]
     name = f"embedded-arithmetic-v2-seed{EMBEDDED_SEED}-eval{EMBEDDED_NUM_EVAL}"
-    path = build_embedded_model(cache / name, pool, steps=120, batch_size=64)
+    path = build_embedded_model(cache / name, pool, steps=120, batch_size=64, threads=1)
     torch.set_num_threads(threads)
     return cache, path
 

@@ -24,8 +24,10 @@ import rlcore.train
 from rlcore.cli import DEFAULT_CONFIG, main
 from rlcore.config import load_config
 from rlcore.data import DataError
+from rlcore.embedded import build_embedded_model
 from rlcore.tokenizer import Tokenizer
 from rlcore.checkpoint import latest_checkpoint, load_model
+from rlcore.tasks import unique_problems
 from rlcore.train import train
 
 from conftest import EMBEDDED_NUM_EVAL as NUM_EVAL, EMBEDDED_SEED as SEED
@@ -604,6 +606,22 @@ def test_bad_jsonl_row_names_the_file_and_line(tmp_path, embedded_dir):
 
 
 # ----------------------------------------------------------------------------- the CLI
+
+def test_the_embedded_warm_start_trains_on_a_fixed_thread_count(tmp_path, monkeypatch):
+    """Whatever the process's count (torchrun sets OMP_NUM_THREADS=1), the SFT runs on 2 threads,
+    so every first run builds the same model; the process's count is restored after."""
+    import rlcore.embedded
+
+    seen = []
+    monkeypatch.setattr(rlcore.embedded, "sft", lambda *a, **k: seen.append(torch.get_num_threads()))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        build_embedded_model(tmp_path / "m", unique_problems("arithmetic", 20, 0), steps=1)
+        assert seen == [2] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+
 
 def test_progress_lines_cover_the_first_and_last_step_whatever_logging_steps_is(tmp_path, capsys):
     train(config(tmp_path / "run", "train.max_steps=3", "train.logging_steps=100"))
