@@ -185,7 +185,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
     """Run GRPO as configured; returns {'before': acc, 'after': acc, 'run_dir': path}.
 
     `resume`: a run directory to continue from its latest checkpoint. `on_start`: called once
-    the run directory exists (the CLI writes config.toml there).
+    the inputs are loaded and the run directory exists (the CLI writes config.toml there).
     """
     t, lc, rc = cfg.train, cfg.loss, cfg.rollout
     rank, world, device = distributed.init(pick_device(t.device))  # (0, 1, device) without torchrun
@@ -199,10 +199,6 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
     if not resume and (run / "latest").exists():
         raise FileExistsError(f"{run} already holds checkpoints; continue it with --resume {run}, "
                               "or choose a new train.output_dir (nothing is overwritten)")
-    if main:
-        run.mkdir(parents=True, exist_ok=True)
-        if on_start:
-            on_start()
     torch.manual_seed(t.seed)
 
     # Model, tokenizer, data.
@@ -246,6 +242,11 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
         sapo_temperature_pos=lc.sapo_temperature_pos, sapo_temperature_neg=lc.sapo_temperature_neg,
         vespo_k_pos=lc.vespo_k_pos, vespo_lambda_pos=lc.vespo_lambda_pos, vespo_k_neg=lc.vespo_k_neg,
         vespo_lambda_neg=lc.vespo_lambda_neg)
+
+    if main:  # every input loaded and checked: a bad one leaves no run directory behind
+        run.mkdir(parents=True, exist_ok=True)
+        if on_start:
+            on_start()
 
     opt = adamw(model, t)
     schedule = lr_lambda(cfg, max_steps)

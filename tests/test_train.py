@@ -603,6 +603,7 @@ def test_bad_jsonl_row_names_the_file_and_line(tmp_path, embedded_dir):
     with pytest.raises(DataError, match=re.escape(f"{data}:3: not valid JSON")):
         train(config(tmp_path / "run", "data.task=jsonl", f"data.path={data}", f"model.path={embedded_dir}",
                      "data.num_eval=1"))
+    assert not (tmp_path / "run").exists()  # a failed start leaves no run directory behind
 
 
 # ----------------------------------------------------------------------------- the CLI
