@@ -1,4 +1,5 @@
-"""`rlcore` command line: `rlcore train [CONFIG] [--set section.key=value ...] [--resume RUN_DIR]`."""
+"""`rlcore` command line: `rlcore train [CONFIG] [--set section.key=value ...] [--resume RUN_DIR]`,
+and `rlcore options`, the table of every option with its default and meaning."""
 
 from __future__ import annotations
 
@@ -51,9 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value, e.g. --set loss.beta=0.04 (repeatable)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
+    p.epilog = ("Every option, with its default: rlcore options. A TRL GRPOConfig name works as it is, in a TOML "
+                "file or as --set beta=0.04.")
+    sub.add_parser("options", help="print every config option with its type, default and meaning")
     args = parser.parse_args(argv)
 
-    from rlcore.config import ConfigError, load_config
+    from rlcore.config import ConfigError, load_config, options_table
+
+    if args.command == "options":
+        print(options_table())
+        return 0
 
     try:
         if args.resume and not args.config and (Path(args.resume) / "config.toml").is_file():

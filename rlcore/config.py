@@ -3,7 +3,7 @@
 Option names are TRL `GRPOConfig`'s wherever TRL has the option, so a TRL config carries across;
 a TRL-style flat key at the top level of a TOML file (`beta = 0.04`) goes to the one section
 that has it. Each field's docstring is the string on the line after it; `field_docs` reads them
-back, so the README table and `--help` come from this file.
+back, so the README's table and `rlcore options` come from this file.
 
 Precedence: dataclass defaults < TOML file < `--set section.key=value`, applied in order.
 

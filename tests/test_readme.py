@@ -12,7 +12,7 @@ ROOT = Path(__file__).parent.parent
 
 def test_readme_options_table_matches_the_config():
     readme = (ROOT / "README.md").read_text()
-    assert options_table().strip() in readme, "regenerate with: python -c 'from rlcore.config import options_table; print(options_table())'"
+    assert options_table().strip() in readme, "regenerate with: rlcore options"
 
 
 def test_docs_spec_is_the_shared_contract_where_that_is_checked_out():

@@ -639,6 +639,16 @@ def test_cli_last_line_reports_held_out_accuracy_before_and_after(tmp_path, caps
         assert 0 <= acc <= 1 and abs(acc * NUM_EVAL - round(acc * NUM_EVAL)) <= NUM_EVAL * 5e-4
 
 
+def test_cli_options_prints_every_option_and_train_help_points_to_it(capsys):
+    from rlcore.config import options_table
+
+    assert main(["options"]) == 0
+    assert capsys.readouterr().out.strip() == options_table().strip()
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "rlcore options" in capsys.readouterr().out
+
+
 def test_cli_refuses_to_train_over_an_existing_run(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(cli_args(run, "train.max_steps=1")) == 0
