@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 DEFAULT_CONFIG = str(Path(__file__).with_name("default.toml"))  # the embedded default run
@@ -44,7 +45,23 @@ def plot_metrics(run_dir: Path) -> str:
     return f"plot: {run_dir / 'curve.png'}"
 
 
+def plain_warnings(message, category, filename, lineno, file=None, line=None, _default=warnings.showwarning):
+    """rlcore's own warnings (a TRL option dropped, a risky setting) as one `rlcore: warning:` line,
+    from rank 0 only under torchrun; any other warning as Python shows it."""
+    if category is UserWarning and f"{os.sep}rlcore{os.sep}" in str(filename):
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"rlcore: warning: {message}", file=sys.stderr if file is None else file)
+        return
+    _default(message, category, filename, lineno, file, line)
+
+
 def main(argv: list[str] | None = None) -> int:
+    with warnings.catch_warnings():
+        warnings.showwarning = plain_warnings
+        return run_command(argv)
+
+
+def run_command(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlcore", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="run GRPO; with no CONFIG, the embedded default")

@@ -649,6 +649,12 @@ def test_cli_options_prints_every_option_and_train_help_points_to_it(capsys):
     assert "rlcore options" in capsys.readouterr().out
 
 
+def test_cli_shows_rlcore_warnings_as_plain_lines(tmp_path, capsys):
+    assert main(cli_args(tmp_path / "run", "train.max_steps=1", "report_to=wandb")) == 0
+    err = capsys.readouterr().err
+    assert "rlcore: warning: TRL's report_to = 'wandb' is ignored" in err and "UserWarning" not in err
+
+
 def test_cli_refuses_to_train_over_an_existing_run(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(cli_args(run, "train.max_steps=1")) == 0
