@@ -67,7 +67,7 @@ def read_json(path):
         return json.load(f)
 
 
-# ---- the embedded default model, for the loop's tests (test_train.py, test_train_options.py)
+# ---- the embedded default model, for the loop's tests (test_train.py, test_train_options.py, test_cli.py)
 
 EMBEDDED_SEED, EMBEDDED_NUM_EVAL = 0, 16
 

@@ -606,7 +606,7 @@ def test_bad_jsonl_row_names_the_file_and_line(tmp_path, embedded_dir):
     assert not (tmp_path / "run").exists()  # a failed start leaves no run directory behind
 
 
-# ----------------------------------------------------------------------------- the CLI
+# ----------------------------------------------------------------------------- warm start, progress, seeds
 
 def test_the_embedded_warm_start_trains_on_a_fixed_thread_count(tmp_path, monkeypatch):
     """Whatever the process's count (torchrun sets OMP_NUM_THREADS=1), the SFT runs on 2 threads,
@@ -630,101 +630,6 @@ def test_progress_lines_cover_the_first_and_last_step_whatever_logging_steps_is(
     assert steps == ["1", "3"]
 
 
-def test_cli_last_line_reports_held_out_accuracy_before_and_after(tmp_path, capsys):
-    assert main(cli_args(tmp_path / "run", "train.max_steps=1")) == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    m = re.fullmatch(r"held-out accuracy: before=(\d\.\d{3}) after=(\d\.\d{3})", last)
-    assert m, last
-    for acc in map(float, m.groups()):  # a fraction of the NUM_EVAL held-out problems
-        assert 0 <= acc <= 1 and abs(acc * NUM_EVAL - round(acc * NUM_EVAL)) <= NUM_EVAL * 5e-4
-
-
-def test_cli_options_prints_every_option_and_train_help_points_to_it(capsys):
-    from rlcore.config import options_table
-
-    assert main(["options"]) == 0
-    assert capsys.readouterr().out.strip() == options_table().strip()
-    with pytest.raises(SystemExit):
-        main(["train", "--help"])
-    assert "rlcore options" in capsys.readouterr().out
-
-
-def test_cli_shows_rlcore_warnings_as_plain_lines(tmp_path, capsys):
-    assert main(cli_args(tmp_path / "run", "train.max_steps=1", "report_to=wandb")) == 0
-    err = capsys.readouterr().err
-    assert "rlcore: warning: TRL's report_to = 'wandb' is ignored" in err and "UserWarning" not in err
-
-
-def test_cli_refuses_to_train_over_an_existing_run(tmp_path, capsys):
-    run = tmp_path / "run"
-    assert main(cli_args(run, "train.max_steps=1")) == 0
-    before = weights(run / "checkpoint-1" / "model")
-    assert main(cli_args(run, "train.max_steps=1")) == 1
-    assert f"{run} already holds checkpoints; continue it with --resume" in capsys.readouterr().err
-    assert all(torch.equal(v, weights(run / "checkpoint-1" / "model")[k]) for k, v in before.items())
-
-
-def test_cli_resume_of_a_directory_without_checkpoints_is_an_error(tmp_path, capsys):
-    assert main(["train", "--resume", str(tmp_path / "nothing")]) == 1
-    assert "no such run directory" in capsys.readouterr().err
-    assert not (tmp_path / "nothing").exists()
-    (tmp_path / "empty").mkdir()
-    assert main(["train", "--resume", str(tmp_path / "empty")]) == 1
-    assert "no checkpoint there" in capsys.readouterr().err
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_cuda_on_a_machine_without_it_is_an_error_naming_the_fix(tmp_path, capsys):
-    assert main(cli_args(tmp_path / "run", "train.device=cuda")) == 1  # was a raw traceback from pin_memory
-    assert "train.device = 'cuda', but this machine has no CUDA device" in capsys.readouterr().err
-
-
-def test_cli_resume_of_a_finished_run_says_there_is_nothing_to_train_and_changes_nothing(tmp_path, capsys):
-    run = tmp_path / "run"
-    assert main(cli_args(run, "train.max_steps=2")) == 0
-    files = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    for extra in ([], ["--set", "train.max_steps=1"]):
-        capsys.readouterr()
-        assert main(["train", "--resume", str(run), *extra]) == 1
-        err = capsys.readouterr().err
-        assert "its checkpoint is at step 2 and train.max_steps = " in err and "--set train.max_steps=102" in err
-        assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == files  # config.toml, eval.jsonl kept
-
-
-def test_cli_output_dir_that_is_a_file_is_an_error(tmp_path, capsys):
-    (tmp_path / "afile").write_text("keep me")
-    assert main(cli_args(tmp_path / "afile", "train.max_steps=1")) == 1
-    assert f"train.output_dir = {tmp_path / 'afile'} is a file; choose a directory" in capsys.readouterr().err
-    assert (tmp_path / "afile").read_text() == "keep me"
-
-
-def test_cli_resume_from_a_damaged_trainer_state_names_it_and_the_way_back(tmp_path, capsys):
-    run = tmp_path / "run"
-    assert main(cli_args(run, "train.max_steps=2", "train.save_steps=1")) == 0
-    (run / "checkpoint-2" / "trainer_state.pt").write_bytes(b"PK\x03\x04 not a zip archive")
-    capsys.readouterr()
-    assert main(["train", "--resume", str(run), "--set", "train.max_steps=3"]) == 1
-    err = capsys.readouterr().err
-    assert f"{run / 'checkpoint-2' / 'trainer_state.pt'} cannot be read" in err and str(run / "latest") in err
-    (run / "latest").write_text("checkpoint-1")  # the way back the message gives
-    assert main(["train", "--resume", str(run), "--set", "train.max_steps=3"]) == 0
-    assert [r["step"] for r in rows(run)] == [1, 2, 3]
-
-
-def test_cli_resume_of_a_checkpoint_with_one_optimizer_group_names_it(tmp_path, capsys):
-    # Written before weight decay skipped biases and norm weights: torch's own error names no file.
-    run = tmp_path / "run"
-    assert main(cli_args(run, "train.max_steps=1")) == 0
-    file = run / "checkpoint-1" / "trainer_state.pt"
-    state = torch.load(file, weights_only=False)
-    groups = state["optimizer"]["param_groups"]
-    groups[0]["params"] += groups.pop(1)["params"]
-    torch.save(state, file)
-    capsys.readouterr()
-    assert main(["train", "--resume", str(run), "--set", "train.max_steps=2"]) == 1
-    assert f"{run / 'checkpoint-1'} was saved by an earlier rlcore" in capsys.readouterr().err
-
-
 def test_rollout_seed_alone_changes_the_samples(tmp_path):
     """rollout.seed drives sampling, train.seed the micro-batch order: they are separate."""
     a, b, c = (tmp_path / n for n in "abc")
@@ -732,14 +637,6 @@ def test_rollout_seed_alone_changes_the_samples(tmp_path):
         train(config(run, "train.max_steps=1", f"rollout.seed={seed}", "train.seed=5"))
     assert rows(a)[0]["reward/mean"] == rows(b)[0]["reward/mean"]
     assert rows(a)[0]["reward/mean"] != rows(c)[0]["reward/mean"]
-
-
-def test_cli_time_placeholder_gives_each_run_its_own_directory(tmp_path):
-    args = ["train", *(a for o in [*SMALL, "train.max_steps=1", f"train.output_dir={tmp_path}/r-{{time}}"]
-                       for a in ("--set", o))]
-    assert main(args) == 0
-    (run,) = tmp_path.iterdir()
-    assert re.fullmatch(r"r-\d{8}-\d{6}", run.name) and (run / "latest").is_file()
 
 
 # ----------------------------------------------------------------------------- data parallel
