@@ -107,10 +107,11 @@ def run_command(argv: list[str] | None = None) -> int:
     t0 = time.time()
     try:
         if args.resume:  # a finished run: say so before anything is evaluated or rewritten
-            from rlcore.checkpoint import latest_checkpoint, load_trainer_state
+            from rlcore.checkpoint import latest_checkpoint
 
-            done = load_trainer_state(latest_checkpoint(run))["step"]
-            if cfg.train.max_steps != -1 and done >= cfg.train.max_steps:  # -1: counted from the data in train()
+            name = latest_checkpoint(run).name  # checkpoint-<step>: the step without loading GBs of state
+            done = int(name.split("-")[1]) if name.startswith("checkpoint-") and name[11:].isdigit() else None
+            if done is not None and cfg.train.max_steps != -1 and done >= cfg.train.max_steps:  # -1: set in train()
                 raise ValueError(f"--resume {run}: its checkpoint is at step {done} and train.max_steps = "
                                  f"{cfg.train.max_steps}, so there is nothing to train; continue it with --set "
                                  f"train.max_steps={done + 100} (or any number above {done})")
