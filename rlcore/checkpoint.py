@@ -265,10 +265,15 @@ def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep
         f.flush()
         os.fsync(f.fileno())
     os.replace(run / "latest.tmp", run / "latest")
-    old = sorted((p for p in run.glob("checkpoint-*") if p != final), key=lambda p: int(p.name.split("-")[1]))
+    old = sorted((p for p in run.glob("checkpoint-*") if p != final), key=checkpoint_step)
     for p in old[:max(0, len(old) - keep + 1)] if keep is not None else []:
         shutil.rmtree(p, ignore_errors=True)
     return final
+
+
+def checkpoint_step(ck: Path) -> int:
+    """The optimizer step a `checkpoint-<step>` directory was saved at (from its name: no file read)."""
+    return int(ck.name.removeprefix("checkpoint-"))
 
 
 def latest_checkpoint(run: Path) -> Path:

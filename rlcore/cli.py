@@ -106,15 +106,6 @@ def run_command(argv: list[str] | None = None) -> int:
         return 1
     t0 = time.time()
     try:
-        if args.resume:  # a finished run: say so before anything is evaluated or rewritten
-            from rlcore.checkpoint import latest_checkpoint
-
-            name = latest_checkpoint(run).name  # checkpoint-<step>: the step without loading GBs of state
-            done = int(name.split("-")[1]) if name.startswith("checkpoint-") and name[11:].isdigit() else None
-            if done is not None and cfg.train.max_steps != -1 and done >= cfg.train.max_steps:  # -1: set in train()
-                raise ValueError(f"--resume {run}: its checkpoint is at step {done} and train.max_steps = "
-                                 f"{cfg.train.max_steps}, so there is nothing to train; continue it with --set "
-                                 f"train.max_steps={done + 100} (or any number above {done})")
         result = train(cfg, resume=args.resume,
                        on_start=lambda: (run / "config.toml").write_text(dump_config(cfg)))
     except (ValueError, TypeError, OSError) as e:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from rlcore.checkpoint import latest_checkpoint, load_model, load_trainer_state, save_checkpoint
+from rlcore.checkpoint import checkpoint_step, latest_checkpoint, load_model, load_trainer_state, save_checkpoint
 from rlcore.config import Config, epoch_steps, generation_steps, validate
 from rlcore import distributed
 from rlcore.data import encode_prompts, load_examples
@@ -243,6 +243,11 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
         vespo_k_pos=lc.vespo_k_pos, vespo_lambda_pos=lc.vespo_lambda_pos, vespo_k_neg=lc.vespo_k_neg,
         vespo_lambda_neg=lc.vespo_lambda_neg)
 
+    done = checkpoint_step(ck) if ck else 0
+    if done >= max_steps:  # a finished run: nothing is evaluated or rewritten
+        raise ValueError(f"--resume {run}: its checkpoint is at step {done} and train.max_steps = {max_steps}, so "
+                         f"there is nothing to train; continue it with --set train.max_steps={done + 100} (or any "
+                         f"number above {done})")
     if main:  # every input loaded and checked: a bad one leaves no run directory behind
         run.mkdir(parents=True, exist_ok=True)
         if on_start:
