@@ -54,7 +54,7 @@ def load_jsonl(path: str, prompt_column: str = "prompt", answer_column: str | No
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line.rstrip("\r\n"))  # with the newline, an error at the end is "line 2"
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line "
                                 f"must be one JSON object") from None
