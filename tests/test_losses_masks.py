@@ -149,3 +149,13 @@ def test_rollout_mismatch_counts_whole_sequences_for_sequence_modes():
     tis = tis_weights(OLD, SAMP, MASK, "sequence_mask", max=2.0)
     metrics = rollout_mismatch(OLD, SAMP, MASK, tis=tis)
     assert metrics["tis/frac_changed"].item() == pytest.approx(3 / 5)  # row 0's three tokens
+
+
+def test_k3_metrics_are_never_negative_for_tiny_log_ratios():
+    """k3 = exp(x) - 1 - x >= 0; computed as exp(x) - 1 - x in fp32 it is -x < 0 once exp(x) rounds to 1."""
+    old = torch.zeros(2, 3)
+    samp = -torch.tensor([[1e-8, 2e-8, 3e-9], [2e-8, 5e-9, 1e-8]])  # log-ratios old - samp > 0, exp rounds to 1
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    assert rollout_mismatch(old, samp, mask)["mismatch/k3"] >= 0
+    _, metrics = policy_loss(old.clone(), samp, torch.tensor([1.0, -1.0]), mask)
+    assert metrics["kl_old/k3"] >= 0

@@ -33,7 +33,7 @@ def rollout_mismatch(old: Tensor, samp: Tensor, mask: Tensor, tis: Tensor | None
         "tokens": valid.sum().float(),
         "mismatch/abs_mean": masked_mean(abs_diff, valid),
         "mismatch/abs_max": abs_diff.max() if abs_diff.numel() else abs_diff.new_zeros(()),
-        "mismatch/k3": masked_mean(log_ratio.exp() - 1 - log_ratio, valid),
+        "mismatch/k3": masked_mean(log_ratio.expm1() - log_ratio, valid),
     }
     if tis is not None:
         raw = log_ratio.sum(-1, keepdim=True) if tis.shape[-1] == 1 else log_ratio  # sequence modes
