@@ -24,6 +24,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from rlcore import RlcoreWarning
 from rlcore.model import ModelConfig, Transformer, rope_inv_freq
 from rlcore.tokenizer import checkpoint_dir_problem
 from rlcore.tokenizer import read_json as read_json_object
@@ -130,7 +131,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str = torch.float32
     if cfg.tie_word_embeddings and tied_copy_differs(files, stored):
         warnings.warn(f"{path}: config.json ties lm_head to embed_tokens, but the checkpoint stores a "
                       "different lm_head.weight; loading it untied, as transformers does (a saved copy "
-                      "says tie_word_embeddings=false)")
+                      "says tie_word_embeddings=false)", RlcoreWarning)
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False, raw={**cfg.raw, "tie_word_embeddings": False})
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -145,7 +146,8 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str = torch.float32
             "; check that config.json belongs to these weights and that no shard is left out")
     if unexpected:
         warnings.warn(f"{path}: skipping {len(unexpected)} tensors a {cfg.model_type} model with this "
-                      f"config.json has no place for (transformers skips them too): {listed(unexpected)}")
+                      f"config.json has no place for (transformers skips them too): {listed(unexpected)}",
+                      RlcoreWarning)
     wanted = {stored[name]: name for name in expected}  # name in the file -> name in the model
     state = {}
     for file in sorted(set(files.values())):

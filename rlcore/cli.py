@@ -11,6 +11,8 @@ import time
 import warnings
 from pathlib import Path
 
+from rlcore import RlcoreWarning
+
 DEFAULT_CONFIG = str(Path(__file__).with_name("default.toml"))  # the embedded default run
 
 
@@ -45,19 +47,23 @@ def plot_metrics(run_dir: Path) -> str:
     return f"plot: {run_dir / 'curve.png'}"
 
 
-def plain_warnings(message, category, filename, lineno, file=None, line=None, _default=warnings.showwarning):
-    """rlcore's own warnings (a TRL option dropped, a risky setting) as one `rlcore: warning:` line,
-    from rank 0 only under torchrun; any other warning as Python shows it."""
-    if category is UserWarning and f"{os.sep}rlcore{os.sep}" in str(filename):
-        if int(os.environ.get("RANK", "0")) == 0:
+def plain_warnings(message, category, filename, lineno, file=None, line=None, *, shown: set,
+                   _default=warnings.showwarning):
+    """rlcore's own warnings (RlcoreWarning) as one `rlcore: warning:` line, each once (the config
+    is checked when it is loaded and again when the run starts), from rank 0 only under torchrun;
+    any other warning as Python shows it."""
+    if issubclass(category, RlcoreWarning):
+        if int(os.environ.get("RANK", "0")) == 0 and str(message) not in shown:
+            shown.add(str(message))
             print(f"rlcore: warning: {message}", file=sys.stderr if file is None else file)
         return
     _default(message, category, filename, lineno, file, line)
 
 
 def main(argv: list[str] | None = None) -> int:
+    shown = set()  # the warnings this command has printed
     with warnings.catch_warnings():
-        warnings.showwarning = plain_warnings
+        warnings.showwarning = lambda *args, **kwargs: plain_warnings(*args, **kwargs, shown=shown)
         return run_command(argv)
 
 
@@ -80,9 +86,16 @@ def run_command(argv: list[str] | None = None) -> int:
         print(options_table())
         return 0
 
+    if args.resume and not args.config and Path(args.resume).is_dir():
+        if not (Path(args.resume) / "config.toml").is_file():  # train() writes it; older Python-started runs lack it
+            print(f"rlcore: error: --resume {args.resume}: the run directory has no config.toml; give the config "
+                  f"the run was started with: rlcore train CONFIG --resume {args.resume}", file=sys.stderr)
+            return 1
+        args.config = str(Path(args.resume) / "config.toml")
+    # Reward functions named "module:function" import from the current directory, as with
+    # `python -m rlcore.cli` (the `rlcore` script alone would not look there).
+    sys.path.insert(0, os.getcwd())
     try:
-        if args.resume and not args.config and (Path(args.resume) / "config.toml").is_file():
-            args.config = str(Path(args.resume) / "config.toml")
         cfg = load_config(args.config or DEFAULT_CONFIG, args.overrides,
                           world_size=int(os.environ.get("WORLD_SIZE", "1")))  # set by torchrun
         if args.resume:
@@ -94,7 +107,6 @@ def run_command(argv: list[str] | None = None) -> int:
         return 2
 
     from rlcore import distributed
-    from rlcore.config import dump_config
     from rlcore.train import train
 
     run = Path(cfg.train.output_dir)
@@ -106,8 +118,7 @@ def run_command(argv: list[str] | None = None) -> int:
         return 1
     t0 = time.time()
     try:
-        result = train(cfg, resume=args.resume,
-                       on_start=lambda: (run / "config.toml").write_text(dump_config(cfg)))
+        result = train(cfg, resume=args.resume)
     except (ValueError, TypeError, OSError) as e:
         # Bad input (checkpoint, data, reward function output, run directory): the message
         # names the problem and the value; a traceback would only bury it.

@@ -27,7 +27,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rlcore import trl_options
+from rlcore import RlcoreWarning, trl_options
 from rlcore.rewards import REWARDS
 
 if sys.version_info >= (3, 11):
@@ -265,7 +265,7 @@ class Config:
             if self.loss.policy_loss == "cispo":
                 warnings.warn("loss.policy_loss='cispo' uses loss.epsilon_high as an absolute cap "
                               "on the IS weight and it is left at epsilon; set "
-                              "loss.epsilon_high=5.0 (the CISPO paper's value)", stacklevel=2)
+                              "loss.epsilon_high=5.0 (the CISPO paper's value)", RlcoreWarning, stacklevel=2)
             self.loss.epsilon_high = self.loss.epsilon
         if self.train.generation_batch_size is not None:  # S is resolved for the world size: generation_steps()
             if self.train.steps_per_generation is not None:
@@ -309,7 +309,7 @@ class Config:
                     harmless, text = trl
                     if not harmless:
                         raise ConfigError(text)
-                    warnings.warn(text, stacklevel=3)
+                    warnings.warn(text, RlcoreWarning, stacklevel=3)
                     continue
                 if name == "loss" and key == "loss_type" and value in trl_options.LOSS_TYPES:
                     raise ConfigError(f"loss.loss_type = {value!r} is TRL's name for {trl_options.LOSS_TYPES[value]}")
@@ -466,7 +466,7 @@ def _expand_trl_tables(out: dict) -> None:
                     out.setdefault("model", {})["dtype"] = value
                 elif key in ("attn_implementation", "use_cache", "low_cpu_mem_usage"):
                     warnings.warn(f"TRL's model_init_kwargs {key} = {value!r} is ignored: rlcore's model code "
-                                  f"attends with torch's SDPA and loads weights itself", stacklevel=3)
+                                  f"attends with torch's SDPA and loads weights itself", RlcoreWarning, stacklevel=3)
                 else:
                     raise ConfigError(f"model_init_kwargs key {key!r} (= {value!r}) has no rlcore equivalent; "
                                       f"rlcore takes dtype (or torch_dtype), as model.dtype")
@@ -730,7 +730,8 @@ def validate(config: Config, world_size: int = 1) -> None:
              f"the starting coefficient")
     need(0 < lo.epsilon < 1, f"loss.epsilon = {lo.epsilon} must be in (0, 1): ratios below 1 - epsilon are "
          f"clipped (0.2 is the usual value)")
-    need(lo.epsilon_high > 0, f"loss.epsilon_high = {lo.epsilon_high} must be > 0 (DAPO uses 0.28)")
+    need(lo.epsilon_high > 0 or lo.epsilon_high == lo.epsilon,  # when equal, it is epsilon's error
+         f"loss.epsilon_high = {lo.epsilon_high} must be > 0 (DAPO uses 0.28)")
     need(lo.delta is None or lo.delta > 1, f"loss.delta = {lo.delta} must be > 1 (it caps ratios "
          f"above 1; e.g. 1 + epsilon_high + 0.5), or none to turn it off")
     need(0 < lo.top_entropy_quantile <= 1, f"loss.top_entropy_quantile = {lo.top_entropy_quantile} "
@@ -757,20 +758,21 @@ def validate(config: Config, world_size: int = 1) -> None:
         warnings.warn("model.dtype = 'bfloat16': AdamW updates the bf16 weights themselves (no fp32 master copy), "
                       "so an update below bf16's resolution (0.4% of the weight) is lost, as most are at "
                       f"learning_rate {t.learning_rate:g}; for mixed precision keep model.dtype = 'float32' and set "
-                      "train.bf16 = true (TRL's bf16=True)", stacklevel=2)
+                      "train.bf16 = true (TRL's bf16=True)", RlcoreWarning, stacklevel=2)
     if lo.loss_type == "luspo" and lo.importance_sampling_level != "sequence":
         warnings.warn(f"loss.loss_type = 'luspo' with loss.importance_sampling_level = "
                       f"{lo.importance_sampling_level!r}: LUSPO is GSPO's sequence ratio with a length-unbiased "
-                      f"sum; set importance_sampling_level = 'sequence' (TRL warns the same)", stacklevel=2)
+                      f"sum; set importance_sampling_level = 'sequence' (TRL warns the same)",
+                      RlcoreWarning, stacklevel=2)
     if lo.policy_loss == "vespo" and lo.importance_sampling_level != "token":
         warnings.warn(f"loss.policy_loss = 'vespo' with loss.importance_sampling_level = "
                       f"{lo.importance_sampling_level!r}: VESPO forms its own sequence weight from the token "
                       f"ratios, so the level only changes the ratio of use_bias_correction_kl; leave it at "
-                      f"'token' (TRL warns the same)", stacklevel=2)
+                      f"'token' (TRL warns the same)", RlcoreWarning, stacklevel=2)
     if lo.importance_sampling_level != "token" and lo.loss_type not in ("grpo", "luspo"):
         warnings.warn(f"loss.importance_sampling_level = {lo.importance_sampling_level!r} (GSPO) with loss.loss_type = "
                       f"{lo.loss_type!r}: the GSPO objective is loss_type = 'grpo' (per-sequence mean)",
-                      stacklevel=2)
+                      RlcoreWarning, stacklevel=2)
 
     need(t.num_completions_to_print is None or t.num_completions_to_print >= 0,
          f"train.num_completions_to_print = {t.num_completions_to_print} must be >= 0, or none to print all")

@@ -12,11 +12,13 @@ The keywords are TRL's (`reward_inputs` builds them):
 - every dataset column, one value per completion (a prompt's columns repeated for its G
   completions; None where a row lacks a column other rows have).
 A function with `**kwargs` receives all of them; one without gets those it names. It returns
-one float (or bool) per completion, or None where it cannot score that completion (for example,
-the row has no reference answer); SPEC section 2 says how None enters the advantages. Async
-functions are awaited.
+one float (or bool) per completion, or None (or NaN) where it cannot score that completion (for
+example, the row has no reference answer); SPEC section 2 says how None enters the advantages.
+An infinite score is an error. Async functions are awaited.
 
-Your own reward function has the same shape; name it in the config as "module:function".
+Your own reward function has the same shape; name it in the config as "module:function", with
+the module importable: from the current directory (the command line puts it on the path) or
+PYTHONPATH. Its signature is checked against these keywords before the run starts.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from fractions import Fraction
 from typing import Callable
 
 RewardFunc = Callable[..., list]
+REWARD_EXTRAS = ("completion_ids", "trainer_state", "log_metric", "log_extra")
+"""The keywords a reward function gets besides prompts, completions and the dataset's columns."""
 NOT_COLUMNS = ("prompt", "prompt_ids")  # example keys that are not passed as columns
 
 
@@ -235,7 +239,8 @@ def get_reward_funcs(names: list[str]) -> list[RewardFunc]:
                 fn = getattr(importlib.import_module(module), attr)
             except Exception as e:  # ImportError, AttributeError, or any error the module raises
                 raise ValueError(f"loss.reward_funcs entry {name!r} cannot be loaded ({type(e).__name__}: {e}); give "
-                                 f"'module:function' with the module importable (on PYTHONPATH)") from e
+                                 f"'module:function' with the module importable (from the current directory or "
+                                 f"PYTHONPATH)") from e
             if not callable(fn):
                 raise ValueError(f"loss.reward_funcs entry {name!r} is a {type(fn).__name__}, not a function")
             funcs.append(fn)

@@ -11,7 +11,9 @@
                 every GA micro-batches: clip, optimizer step, metrics
         eval, checkpoint
 
-Everything that needs a flag is an `if` in `train()`. The helpers above it only move data.
+The loop's own flags (off-policy or not, beta, TIS, the entropy bonus, a synced reference) are
+`if`s in `train()`; the loss's options are keywords of `rlcore.losses.policy_loss`, which
+`policy_loss_options` fills from the config. The other helpers above `train()` only move data.
 """
 
 from __future__ import annotations
@@ -28,17 +30,17 @@ from pathlib import Path
 import torch
 
 from rlcore.checkpoint import checkpoint_step, latest_checkpoint, load_model, load_trainer_state, save_checkpoint
-from rlcore.config import Config, epoch_steps, generation_steps, validate
+from rlcore.config import Config, dump_config, epoch_steps, generation_steps, validate
 from rlcore import distributed
 from rlcore.data import encode_prompts, load_examples
 from rlcore.embedded import build_embedded_model
-from rlcore.losses.advantages import compute_advantages, score_completions
+from rlcore.losses.advantages import check_reward_funcs, compute_advantages, score_completions
 from rlcore.losses.aggregate import aggregate_loss
 from rlcore.losses.entropy import EntropyBonus
 from rlcore.losses.metrics import rollout_mismatch
 from rlcore.losses.policy import entropy_mask, mask_truncated, policy_loss, tis_weights
 from rlcore.model import mix_into, weight_layout_difference
-from rlcore.rewards import RewardState, dataset_columns, get_reward_funcs, reward_inputs
+from rlcore.rewards import REWARD_EXTRAS, RewardState, dataset_columns, get_reward_funcs, reward_inputs
 from rlcore.rollout import generate
 from rlcore.runlog import drop_rows_after, log_completions, log_line, record_eval, reduce_metrics
 from rlcore.sft import SharedPrompts, completion_logprobs, pack
@@ -112,6 +114,19 @@ def lr_lambda(cfg: Config, total_steps: int):
     return f
 
 
+def policy_loss_options(lc) -> dict:
+    """policy_loss's fixed keywords from the config's loss section (SPEC 4); the tensors change
+    per micro-batch. A new keyword of policy_loss gets its config field here (a test holds the
+    two to each other)."""
+    return dict(
+        loss=lc.policy_loss, importance_sampling_level=lc.importance_sampling_level, epsilon=lc.epsilon,
+        epsilon_high=lc.epsilon_high, delta=lc.delta, beta=lc.beta, use_bias_correction_kl=lc.use_bias_correction_kl,
+        top_entropy_quantile=lc.top_entropy_quantile, off_policy_mask_threshold=lc.off_policy_mask_threshold,
+        sapo_temperature_pos=lc.sapo_temperature_pos, sapo_temperature_neg=lc.sapo_temperature_neg,
+        vespo_k_pos=lc.vespo_k_pos, vespo_lambda_pos=lc.vespo_lambda_pos, vespo_k_neg=lc.vespo_k_neg,
+        vespo_lambda_neg=lc.vespo_lambda_neg)
+
+
 def reference_model(cfg: Config, model, model_dir: Path, ck: Path | None, device) -> torch.nn.Module:
     """The KL reference: model.ref_path or the initial policy, or on --resume the copy a checkpoint
     holds once loss.sync_ref_model has changed it. sync_ref_model needs the policy's architecture."""
@@ -181,11 +196,11 @@ def decode_completions(tok: Tokenizer, ro) -> list[str]:
 
 # ----------------------------------------------------------------------------- the loop
 
-def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -> dict:
+def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
     """Run GRPO as configured; returns {'before': acc, 'after': acc, 'run_dir': path}.
 
-    `resume`: a run directory to continue from its latest checkpoint. `on_start`: called once
-    the inputs are loaded and the run directory exists (the CLI writes config.toml there).
+    `resume`: a run directory to continue from its latest checkpoint. The run directory gets
+    the config as config.toml (the one `rlcore train --resume` reads back) once the inputs load.
     """
     t, lc, rc = cfg.train, cfg.loss, cfg.rollout
     rank, world, device = distributed.init(pick_device(t.device))  # (0, 1, device) without torchrun
@@ -218,6 +233,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
             ex["prompt_ids"] = p
     reward_funcs = get_reward_funcs(lc.reward_funcs)
     columns = dataset_columns(train_set)  # passed to every reward call, None where a row lacks one
+    check_reward_funcs(reward_funcs, ["prompts", "completions", *REWARD_EXTRAS, *columns])
     accuracy_fn = get_reward_funcs([TASK_REWARD[cfg.data.task]])[0]
     stop_sequences = [ids for s in rc.stop for ids in tok.stop_ids(s)]  # rollout.stop as token ids
 
@@ -235,13 +251,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
               f"max_steps = {max_steps}", flush=True)
     off_policy = mu > 1 or S > GA
     amp = t.bf16  # bf16 autocast for the training forward passes, and a bf16 rollout
-    loss_options = dict(  # policy_loss's fixed options (SPEC 4); the tensors change per micro-batch
-        loss=lc.policy_loss, importance_sampling_level=lc.importance_sampling_level, epsilon=lc.epsilon,
-        epsilon_high=lc.epsilon_high, delta=lc.delta, beta=lc.beta, use_bias_correction_kl=lc.use_bias_correction_kl,
-        top_entropy_quantile=lc.top_entropy_quantile, off_policy_mask_threshold=lc.off_policy_mask_threshold,
-        sapo_temperature_pos=lc.sapo_temperature_pos, sapo_temperature_neg=lc.sapo_temperature_neg,
-        vespo_k_pos=lc.vespo_k_pos, vespo_lambda_pos=lc.vespo_lambda_pos, vespo_k_neg=lc.vespo_k_neg,
-        vespo_lambda_neg=lc.vespo_lambda_neg)
+    loss_options = policy_loss_options(lc)
 
     done = checkpoint_step(ck) if ck else 0
     if done >= max_steps:  # a finished run: nothing is evaluated or rewritten
@@ -250,8 +260,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
                          f"number above {done})")
     if main:  # every input loaded and checked: a bad one leaves no run directory behind
         run.mkdir(parents=True, exist_ok=True)
-        if on_start:
-            on_start()
+        (run / "config.toml.tmp").write_text(dump_config(cfg))
+        os.replace(run / "config.toml.tmp", run / "config.toml")  # a crash leaves the previous one
 
     opt = adamw(model, t)
     schedule = lr_lambda(cfg, max_steps)
@@ -317,7 +327,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
         prompts, completions, values = reward_inputs(rows, decode_completions(tok, ro), columns)
         completion_ids = [c[:n].tolist() for c, n in zip(ro.completion_ids, ro.lengths)]
         logged, extra = defaultdict(list), {}  # what reward functions report (log_metric, log_extra)
-        trl_kwargs = {"completion_ids": completion_ids,
+        trl_kwargs = {"completion_ids": completion_ids,  # REWARD_EXTRAS
                       "trainer_state": RewardState(step, max_steps),
                       "log_metric": lambda name, value: logged[name].append(float(value)),
                       "log_extra": lambda column, values: extra.setdefault(column, []).extend(values)}
@@ -326,7 +336,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None, on_start=None) -
         R = distributed.gather_rows(R.to(device), world)
         if main and R.isnan().all():
             print(f"warning: no reward function scored any completion of round {step // steps_per_round + 1} "
-                  f"(all returned None), so every advantage is 0 and its steps learn nothing; check "
+                  f"(all returned None or NaN), so every advantage is 0 and its steps learn nothing; check "
                   f"loss.reward_funcs and the columns they need (data.answer_column)", flush=True)
         every_adv, reward_stats = compute_advantages(R, G, lc.reward_weights, lc.scale_rewards,
                                                      reward_names=lc.reward_funcs,

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlcore.losses.advantages import compute_advantages, score_completions
+from rlcore.losses.advantages import check_reward_funcs, compute_advantages, score_completions
 
 NAN = float("nan")
 
@@ -278,3 +278,37 @@ def test_normalize_then_sum_is_gdpo_group_normalised_per_function_then_batch_nor
     assert stats["reward/mean"] == pytest.approx((100 + 302 + 202 + 0 + 52 + 50 + 2 + 50 + 10 + 22 + 30) / 11)  # raw, weighted
     with pytest.raises(ValueError, match="multi_objective_aggregation must be one of"):
         compute_advantages(R, 4, multi_objective_aggregation="mean")
+
+
+def test_an_infinite_score_is_an_error_naming_the_function_and_sample_and_nan_is_none():
+    def unbounded(prompts, completions, **kwargs):
+        return [0.0, float("-inf"), 1.0]
+
+    with pytest.raises(ValueError, match=r"unbounded returned -inf for sample 1 \(completion='bb'\); scores must "
+                                         r"be finite"):
+        score_completions([unbounded], PROMPTS, COMPLETIONS, COLUMNS)
+    nan = score_completions([lambda prompts, completions, **kw: [0.5, math.nan, None]], PROMPTS, COMPLETIONS, COLUMNS)
+    assert nan[0, 0] == 0.5 and nan[1:].isnan().all()  # NaN scores as None does (TRL turns None into NaN)
+
+
+@pytest.mark.parametrize("output", [{"a": 1.0, "bb": 0.0, "ccc": 1.0}, {1.0, 0.0, 2.0}])
+def test_a_dict_or_set_of_scores_is_named_as_such(output):
+    with pytest.raises(TypeError, match=rf"returned {type(output).__name__}; it must return a list of 3 floats"):
+        score_completions([lambda prompts, completions, **kw: output], PROMPTS, COMPLETIONS, COLUMNS)
+
+
+def test_check_reward_funcs_finds_a_bad_signature_before_any_call():
+    calls = []
+
+    def needs_difficulty(prompts, completions, difficulty):
+        calls.append(1)
+        return [1.0] * len(completions)
+
+    def trl_style(prompts, completions, completion_ids, trainer_state, log_metric, log_extra, answer):
+        return [1.0] * len(completions)
+
+    keywords = ["prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra", "answer"]
+    check_reward_funcs([trl_style], keywords)  # takes exactly what is passed: fine
+    with pytest.raises(TypeError, match=r"needs_difficulty cannot be called .*'difficulty'"):
+        check_reward_funcs([trl_style, needs_difficulty], keywords)
+    assert calls == []

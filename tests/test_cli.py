@@ -3,6 +3,7 @@ messages naming the problem and the fix), --resume's refusals, and `rlcore optio
 use the embedded model (conftest) and test_train.py's `SMALL` overrides and helpers."""
 
 import re
+import sys
 
 import pytest
 import torch
@@ -36,6 +37,48 @@ def test_cli_shows_rlcore_warnings_as_plain_lines(tmp_path, capsys):
     assert main(cli_args(tmp_path / "run", "train.max_steps=1", "report_to=wandb")) == 0
     err = capsys.readouterr().err
     assert "rlcore: warning: TRL's report_to = 'wandb' is ignored" in err and "UserWarning" not in err
+
+
+def test_cli_prints_each_warning_once_even_from_a_dataclass_init(tmp_path, capsys):
+    # validate() runs when the config loads and when the run starts; cispo's warning comes from
+    # Config.__post_init__, whose caller is the dataclass's generated __init__ (file "<string>")
+    assert main(cli_args(tmp_path / "run", "train.max_steps=1", "loss.importance_sampling_level=sequence",
+                         "loss.policy_loss=cispo")) == 0
+    err = capsys.readouterr().err
+    assert err.count("rlcore: warning: loss.importance_sampling_level = 'sequence' (GSPO)") == 1, err
+    assert err.count("rlcore: warning: loss.policy_loss='cispo' uses loss.epsilon_high") == 1, err
+    assert "UserWarning" not in err
+
+
+def test_cli_imports_reward_modules_from_the_current_directory(tmp_path, capsys, monkeypatch):
+    (tmp_path / "cwd_rewards_for_cli_test.py").write_text(
+        "def longer(prompts, completions, **kwargs):\n    return [float(len(c)) for c in completions]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])  # as the script has it
+    assert main(cli_args(tmp_path / "run", "train.max_steps=1",
+                         "loss.reward_funcs=['cwd_rewards_for_cli_test:longer']")) == 0, capsys.readouterr().err
+    assert "reward/cwd_rewards_for_cli_test:longer/mean" in rows(tmp_path / "run")[0]
+
+
+def test_cli_a_reward_function_that_cannot_take_the_arguments_fails_before_the_run_starts(tmp_path, capsys):
+    assert main(cli_args(tmp_path / "run", f"loss.reward_funcs=['{__name__}:wrong_signature']")) == 1
+    err = capsys.readouterr().err
+    assert "reward function wrong_signature cannot be called" in err and "missing a required argument: 'completion'" in err
+    assert not (tmp_path / "run").exists()  # was: after the "before" evaluation, leaving a run directory
+
+
+def wrong_signature(completion, answer_text):  # TRL passes prompts=, completions=, ... and the columns
+    return [0.0]
+
+
+def test_cli_resume_of_a_run_without_config_toml_asks_for_its_config(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(cli_args(run, "train.max_steps=1")) == 0
+    (run / "config.toml").unlink()  # as a run started from Python by an earlier rlcore
+    assert main(["train", "--resume", str(run), "--set", "train.max_steps=2"]) == 1
+    assert f"the run directory has no config.toml; give the config the run was started with: rlcore train " \
+           f"CONFIG --resume {run}" in capsys.readouterr().err
+    assert not (run / "config.toml").exists() and (run / "latest").read_text().strip() == "checkpoint-1"
 
 
 def test_cli_refuses_to_train_over_an_existing_run(tmp_path, capsys):

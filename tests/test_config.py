@@ -4,6 +4,7 @@ name the key, the value and the fix."""
 import dataclasses
 import math
 import sys
+import typing
 import warnings
 from pathlib import Path
 
@@ -645,3 +646,18 @@ def test_bf16_weights_warn_that_small_updates_are_lost():
     with pytest.warns(UserWarning, match=r"model\.dtype = 'bfloat16': AdamW updates the bf16 weights.*"
                                          r"learning_rate 1e-06.*train\.bf16 = true"):
         validate(load_config(None, ["model.dtype=bfloat16", "train.learning_rate=1e-6"]))
+
+
+def test_the_configs_policy_loss_names_are_the_loss_zoos():
+    from rlcore.config import LossArgs
+    from rlcore.losses.policy import LOSSES
+
+    assert typing.get_args(typing.get_type_hints(LossArgs)["policy_loss"]) == LOSSES
+
+
+def test_epsilon_zero_is_one_error_not_also_epsilon_highs_derived_from_it():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["loss.epsilon=0"])
+    assert "loss.epsilon = 0" in str(e.value) and "epsilon_high" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"loss.epsilon_high = 0.0 must be > 0"):
+        load_config(None, ["loss.epsilon_high=0"])

@@ -402,3 +402,13 @@ def test_masks_carry_no_grad_even_from_a_differentiable_entropy():
     assert not entropy_mask(entropy, mask, 0.5).requires_grad
     logp = torch.zeros(3, 4, dtype=torch.float64, requires_grad=True)
     assert not off_policy_mask(torch.tensor([1.0, -1.0, 0.0]), logp, logp.detach() + 1, mask, 0.5).requires_grad
+
+
+def test_a_loss_name_without_its_branch_is_an_error_not_another_loss(monkeypatch):
+    """A fork that adds a name to LOSSES but no branch must not train with SAPO (the last branch)."""
+    import rlcore.losses.policy as policy
+
+    monkeypatch.setattr(policy, "LOSSES", (*policy.LOSSES, "sym_clip"))
+    logp, old, adv, mask = setup()
+    with pytest.raises(NotImplementedError, match="no branch for loss 'sym_clip'"):
+        policy.policy_loss(logp, old, adv, mask, loss="sym_clip")

@@ -422,6 +422,17 @@ def test_resume_after_a_crash_matches_an_uninterrupted_run(tmp_path, capsys):
     assert len(completions[0]) == 4 * 16 and completions[0] == completions[1]  # the crash's rows dropped
 
 
+def test_a_run_started_from_python_resumes_from_the_command_line_with_its_own_config(tmp_path):
+    run = tmp_path / "run"
+    cfg = config(run, "train.max_steps=1", "train.learning_rate=3e-3", "rollout.temperature=0.9")
+    train(cfg)  # train() writes config.toml itself (it was the CLI's job: a resume then got the default config)
+    assert load_config(str(run / "config.toml")) == cfg
+    assert main(["train", "--resume", str(run), "--set", "train.max_steps=2"]) == 0
+    resumed = load_config(str(run / "config.toml"))
+    assert resumed.train.max_steps == 2 and resumed.train.learning_rate == 3e-3 and resumed.rollout.temperature == 0.9
+    assert resumed.loss.reward_funcs == cfg.loss.reward_funcs and [r["step"] for r in rows(run)] == [1, 2]
+
+
 def test_resume_with_a_larger_max_steps_follows_the_new_schedule(tmp_path):
     # A finished 2-step cosine run ends at rate 0; extended to 4 steps, steps 3 and 4 run at the
     # rates of a 4-step run, not at the old schedule's final 0 (it was restored with the optimizer).

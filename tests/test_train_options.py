@@ -255,3 +255,19 @@ def test_two_ranks_run_the_trl_options_that_keep_state_or_reduce_over_ranks(tmp_
     assert [r["step"] for r in got] == [1, 2, 3]
     assert [r["entropy_coef/applied"] for r in got] == pytest.approx([0.0, 0.005, 0.01])
     assert (run / "checkpoint-3" / "ref_model").is_dir()
+
+
+def test_policy_loss_options_fill_every_option_of_policy_loss():
+    """A keyword added to policy_loss without its config field in train.policy_loss_options would
+    silently keep its default in every run."""
+    import inspect
+
+    from rlcore.config import LossArgs
+    from rlcore.losses.policy import policy_loss
+
+    tensors = {"logp", "old", "advantages", "mask", "ref", "tis_weights", "entropy", "samp"}  # per micro-batch
+    options = set(inspect.signature(policy_loss).parameters) - tensors
+    lc = LossArgs(epsilon_high=0.3)
+    assert set(rlcore.train.policy_loss_options(lc)) == options
+    assert all(getattr(lc, "policy_loss" if k == "loss" else k) == v
+               for k, v in rlcore.train.policy_loss_options(lc).items())

@@ -7,8 +7,9 @@ Dr. GRPO (Liu et al. 2025, arXiv:2503.20783) drops the std: A_i = r_i - mean_g(r
 
 import asyncio
 import inspect
+import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 
 import torch
 from torch import Tensor
@@ -31,7 +32,8 @@ def score_completions(
     `extra` holds what TRL passes besides the columns (completion_ids, trainer_state,
     log_metric, log_extra); a function without **kwargs gets only the arguments it names. An
     async function is awaited. It must return one number (bools count as 0/1) or None per
-    completion, as a list, tuple, numpy array or 1-D tensor. A function that raises is re-run
+    completion, as a list, tuple, numpy array or 1-D tensor; NaN counts as None (TRL turns None
+    into NaN), an infinite score is an error. A function that raises is re-run
     one sample at a time to name the offending sample; with on_error="none" the failing samples
     score None instead. A function whose signature cannot take these arguments is an error
     either way.
@@ -41,7 +43,7 @@ def score_completions(
     n = len(completions)
     scores = torch.full((n, len(reward_funcs)), torch.nan)
     for f, fn in enumerate(reward_funcs):
-        name = getattr(fn, "__name__", type(fn).__name__)
+        name = _name(fn)
         kwargs = _arguments_for(fn, name, {"prompts": prompts, "completions": completions, **(extra or {}),
                                            **columns})
         per_row = [key for key in kwargs if key in columns or key in ("prompts", "completions", "completion_ids")]
@@ -49,10 +51,22 @@ def score_completions(
             values = _call(fn, kwargs)
         except Exception as err:
             values = _score_one_by_one(fn, name, kwargs, per_row, n, on_error, err)
-        for i, value in enumerate(_check_scores(name, values, n)):
+        for i, value in enumerate(_check_scores(name, values, n, completions)):
             if value is not None:
                 scores[i, f] = float(value)
     return scores
+
+
+def check_reward_funcs(reward_funcs: Sequence[Callable], keywords: Sequence[str]) -> None:
+    """Before any scoring: raise the TypeError `score_completions` would raise for a function
+    that cannot be called with `keywords` (prompts, completions, the extras and the columns),
+    naming the function and the parameter."""
+    for fn in reward_funcs:
+        _arguments_for(fn, _name(fn), dict.fromkeys(keywords))
+
+
+def _name(fn: Callable) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
 
 
 def _arguments_for(fn: Callable, name: str, available: dict) -> dict:
@@ -87,11 +101,12 @@ def _call(fn: Callable, kwargs: dict):
     return values
 
 
-def _check_scores(name: str, values, n: int) -> list:
-    """Validate one reward function's output: a sequence of n numbers or None."""
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+def _check_scores(name: str, values, n: int, completions: list | None = None) -> list:
+    """Validate one reward function's output: a sequence of n numbers or None (`completions`,
+    when given, name the sample of an infinite score)."""
+    if isinstance(values, (str, bytes, Mapping, Set)) or not hasattr(values, "__len__"):
         raise TypeError(f"reward function {name} returned {type(values).__name__}; "
-                        f"it must return a list of {n} floats or None")
+                        f"it must return a list of {n} floats or None, one per completion in order")
     if isinstance(values, Tensor) and values.dim() != 1:
         raise TypeError(f"reward function {name} returned a tensor of shape {tuple(values.shape)}; "
                         f"it must return one number per completion ({n})")
@@ -104,6 +119,11 @@ def _check_scores(name: str, values, n: int) -> list:
         if value is not None and not isinstance(value, numbers.Real):
             raise TypeError(f"reward function {name} returned {value!r} ({type(value).__name__}) "
                             f"for sample {i}; expected a float or None")
+        if value is not None and math.isinf(value):
+            sample = "" if completions is None else f" (completion={_short(completions[i])})"
+            raise ValueError(f"reward function {name} returned {value} for sample {i}{sample}; scores must be "
+                             f"finite (an infinite reward zeroes its whole group's advantages): return None "
+                             f"where a completion cannot be scored")
     return values
 
 
@@ -125,7 +145,7 @@ def _score_one_by_one(fn, name, kwargs, per_row, n, on_error, batch_err) -> list
                 f"completion={_short(kwargs.get('completions', ['?'] * n)[i])}. Fix the "
                 "function, or score failures as None (on_error='none'; in a config: --set "
                 "loss.reward_on_error=none)") from err
-        values += _check_scores(name, value, 1)
+        values += _check_scores(name, value, 1, [kwargs.get("completions", ["?"] * n)[i]])
     if on_error == "raise":
         raise RuntimeError(f"reward function {name} raised {type(batch_err).__name__}: {batch_err} "
                            f"on the batch of {n} but on no single sample") from batch_err

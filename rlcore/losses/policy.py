@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlcore import RlcoreWarning
 from rlcore.losses.aggregate import LOSS_TYPES
 from rlcore.losses.metrics import masked_mean
 
@@ -164,12 +165,12 @@ def check_loss_options(
     if policy_loss == "cispo" and epsilon_high is None:
         warnings.warn("policy_loss='cispo' caps the ratio at epsilon_high, which was left at its "
                       "default (= epsilon, 0.2): every update shrinks five-fold. CISPO uses an "
-                      "absolute cap such as epsilon_high=5.0", stacklevel=2)
+                      "absolute cap such as epsilon_high=5.0", RlcoreWarning, stacklevel=2)
     if importance_sampling_level != "token" and loss_type not in ("grpo", "luspo"):
         warnings.warn(
             f"importance_sampling_level={importance_sampling_level!r} (GSPO) with loss_type="
             f"{loss_type!r} sums tokens, so each sequence's loss is weighted by its length; "
-            "GSPO's objective is a per-sequence mean: use loss_type='grpo'", stacklevel=2)
+            "GSPO's objective is a per-sequence mean: use loss_type='grpo'", RlcoreWarning, stacklevel=2)
 
 
 def policy_loss(
@@ -248,11 +249,13 @@ def policy_loss(
         phi = vespo_weights(adv[:, 0], logp.detach() - old, mask, tis_weights,
                             vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
         l_pg = -phi * adv * logp
-    else:
+    elif loss == "sapo":
         # SAPO (Soft Adaptive Policy Optimization, 2511.20347): a sigmoid gate instead of a clip,
         #   l = -sigmoid(tau (r - 1)) (4 / tau) A,  tau = tau_pos if A > 0 else tau_neg
         tau = torch.full_like(adv, sapo_temperature_neg).masked_fill_(adv > 0, sapo_temperature_pos)
         l_pg = -torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * adv
+    else:  # a name added to LOSSES without its branch here
+        raise NotImplementedError(f"policy_loss has no branch for loss {loss!r}; add one beside ppo/cispo/vespo/sapo")
     l_pg = l_pg.expand_as(logp)  # sequence-level weights give one value per row
 
     # 2. Off-policy sequence mask, then the entropy mask (train only on high-entropy "forking" tokens).
@@ -269,7 +272,7 @@ def policy_loss(
     # 4. KL to the reference, k3 estimator (Schulman 2020; DeepSeekMath): >= 0, unbiased on-policy.
     per_token = l_pg
     if beta != 0.0:
-        kl = torch.exp(ref - logp) - (ref - logp) - 1
+        kl = torch.expm1(ref - logp) - (ref - logp)  # exp(x) - 1 - x; exp(x) - 1 rounds below 0 in fp32
         if use_bias_correction_kl:
             # TRL's use_bias_correction_kl: the k3 of tokens sampled from pi_old, weighted by
             # r = pi_theta / pi_old to estimate KL(pi_theta || ref); on-policy r = 1 in value
@@ -283,7 +286,7 @@ def policy_loss(
         metrics = {
             "tokens": mask.sum(),
             "kl_old/k1": masked_mean(-log_ratio, mask),
-            "kl_old/k3": masked_mean(log_ratio.exp() - 1 - log_ratio, mask),
+            "kl_old/k3": masked_mean(log_ratio.expm1() - log_ratio, mask),
         }
         if loss == "ppo":
             low = (r < 1 - eps_low) & (adv < 0)
