@@ -71,16 +71,25 @@ def open_weights(file: Path, device: torch.device | str = "cpu"):
 
 
 def weight_files(path: Path) -> dict[str, Path]:
-    """Map each tensor name to the safetensors file that holds it."""
+    """Map each tensor name to the safetensors file that holds it.
+
+    With an index, the shards are the files its weight_map lists, and each tensor is found by
+    reading their headers, as transformers does: an entry that names the wrong shard, or a tensor
+    the index leaves out, still loads (where two shards hold a tensor, the index's one wins)."""
     index = path / INDEX_FILE
     if index.is_file():
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: no 'weight_map' object")
-        files = {name: path / f for name, f in weight_map.items()}
-        for f in sorted(set(files.values())):
-            if not f.is_file():
-                raise CheckpointError(f"{f}: shard listed in {index.name} is missing")
+        shards = sorted({path / f for f in weight_map.values()})
+        files = {}
+        for shard in shards:
+            if not shard.is_file():
+                raise CheckpointError(f"{shard}: shard listed in {index.name} is missing")
+            with open_weights(shard) as f:
+                for name in f.keys():
+                    if name not in files or path / weight_map.get(name, "") == shard:
+                        files[name] = shard
         return files
     single = path / SINGLE_FILE
     if not single.is_file():
@@ -143,7 +152,9 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str = torch.float32
         raise CheckpointError(
             f"{path}: tensor names do not match a {cfg.model_type} model with this config.json: "
             f"missing {listed(missing)}" + (f", unexpected {listed(unexpected)}" if unexpected else "") +
-            "; check that config.json belongs to these weights and that no shard is left out")
+            ("; the output layer is stored only as the embedding: if the model ties them, config.json needs "
+             "\"tie_word_embeddings\": true" if missing == ["lm_head.weight"] else
+             "; check that config.json belongs to these weights and that no shard is left out"))
     if unexpected:
         warnings.warn(f"{path}: skipping {len(unexpected)} tensors a {cfg.model_type} model with this "
                       f"config.json has no place for (transformers skips them too): {listed(unexpected)}",
@@ -159,7 +170,9 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str = torch.float32
                 t = f.get_tensor(key)
                 if t.shape != expected[name]:
                     raise CheckpointError(f"{file}: tensor {name} has shape {tuple(t.shape)}, "
-                                          f"config.json implies {tuple(expected[name])}")
+                                          f"config.json implies {tuple(expected[name])}; check that "
+                                          f"config.json's sizes (hidden_size, intermediate_size, vocab_size, "
+                                          f"head counts, head_dim) belong to these weights")
                 state[name] = t.to(dtype)
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = rope_inv_freq(cfg).to(device)  # non-persistent buffer: rebuild off meta
@@ -284,7 +297,12 @@ def latest_checkpoint(run: Path) -> Path:
         raise FileNotFoundError(f"{run}: no `latest` file; nothing to resume (was a checkpoint saved?)")
     ck = run / ptr.read_text().strip()
     if not (ck / "trainer_state.pt").is_file():
-        raise FileNotFoundError(f"{ck}: checkpoint named by {ptr} is incomplete")
+        others = sorted((p for p in run.glob("checkpoint-*") if p.name.removeprefix("checkpoint-").isdigit()
+                         and (p / "trainer_state.pt").is_file()), key=checkpoint_step)
+        fix = (f"; the run directory keeps {others[-1].name}: write its name into {ptr} to resume from it"
+               if others else "")
+        raise FileNotFoundError(f"{ck}: checkpoint named by {ptr} is " +
+                                ("incomplete (no trainer_state.pt)" if ck.is_dir() else "missing") + fix)
     return ck
 
 

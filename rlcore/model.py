@@ -61,6 +61,9 @@ class ModelConfig:
     def from_hf(cls, d: dict, source: str = "config.json") -> "ModelConfig":
         """Build from the parsed `config.json` dict; `source` names the file in errors."""
         model_type = d.get("model_type")
+        if model_type is None:
+            raise ValueError(f"{source}: no model_type key; add the family, \"model_type\": one of "
+                             f"{', '.join(repr(t) for t in SUPPORTED_MODEL_TYPES)}")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"{source}: unsupported model_type {model_type!r}; rlcore supports "
@@ -69,7 +72,8 @@ class ModelConfig:
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if k not in d]
         if missing:
-            raise ValueError(f"{source}: missing required keys {missing}")
+            raise ValueError(f"{source}: missing required keys {missing}; every {model_type} config.json "
+                             f"transformers writes has them: check that the file is complete")
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                     "num_key_value_heads", "head_dim"):
             value = d.get(key)

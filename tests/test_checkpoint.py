@@ -48,6 +48,25 @@ def test_transformers_sharded_checkpoint_loads(hf_checkpoint, tmp_path):
     assert torch.equal(logits(load_model(tmp_path / "hf_sharded"), IDS), logits(load_model(path), IDS))
 
 
+@pytest.mark.parametrize("damage", ["wrong shard", "no entry"])
+def test_an_index_that_misplaces_or_omits_a_tensor_loads_as_in_transformers(damage, hf_checkpoint, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    path, hf = hf_checkpoint("llama")
+    out = tmp_path / "sh"
+    hf.save_pretrained(out, max_shard_size="50KB")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    name = "model.norm.weight"
+    if damage == "wrong shard":
+        index["weight_map"][name] = next(f for f in shards if f != index["weight_map"][name])
+    else:
+        del index["weight_map"][name]
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(out).eval()  # loads it from the shard that has it
+    with torch.no_grad():
+        assert torch.equal(logits(load_model(out), IDS), ref(IDS).logits)  # was: a raw RuntimeError / "missing"
+
+
 def test_load_in_bfloat16_converts_every_parameter(hf_checkpoint):
     model = load_model(hf_checkpoint("qwen3")[0], "bfloat16")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
@@ -166,6 +185,26 @@ def test_truncated_safetensors(hf_checkpoint):
         load_model(path)
 
 
+def test_a_config_without_model_type_says_so(hf_checkpoint):
+    path, _ = hf_checkpoint("qwen2")
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["model_type"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config\.json: no model_type key; add the family, \"model_type\": one of "
+                                              r"'llama', 'qwen2', 'qwen3'"):
+        load_model(path)
+
+
+def test_a_tied_model_whose_config_does_not_say_so_names_tie_word_embeddings(hf_checkpoint):
+    path, _ = hf_checkpoint("qwen2_tied")
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["tie_word_embeddings"]  # False for every family by default
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"missing \['lm_head\.weight'\]; the output layer is stored only as "
+                                              r"the embedding: .*\"tie_word_embeddings\": true"):
+        load_model(path)
+
+
 def test_unknown_model_type_lists_supported(hf_checkpoint):
     path, _ = hf_checkpoint("qwen2")
     cfg = json.loads((path / "config.json").read_text())
@@ -221,7 +260,8 @@ def test_shape_mismatch_names_tensor_and_shapes(hf_checkpoint):
     sd = load_file(path / "model.safetensors")
     sd["model.norm.weight"] = torch.ones(63)
     save_file(sd, path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"model\.norm\.weight has shape \(63,\), config\.json implies \(64,\)"):
+    with pytest.raises(CheckpointError, match=r"model\.norm\.weight has shape \(63,\), config\.json implies \(64,\); "
+                                              r"check that config\.json's sizes"):
         load_model(path)
 
 
@@ -233,3 +273,21 @@ def test_missing_shard_named(hf_checkpoint, tmp_path):
     victim.unlink()
     with pytest.raises(CheckpointError, match=victim.name + ": shard listed"):
         load_model(out)
+
+
+def test_latest_naming_a_missing_checkpoint_says_missing_and_names_the_one_kept(tmp_path):
+    from rlcore.checkpoint import latest_checkpoint
+
+    for name in ("checkpoint-2", "checkpoint-10", "checkpoint-12.tmp"):  # .tmp: a save that never finished
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "trainer_state.pt").write_bytes(b"")
+    (tmp_path / "latest").write_text("checkpoint-14")
+    with pytest.raises(FileNotFoundError, match=r"checkpoint-14: checkpoint named by .*latest is missing; the run "
+                                                r"directory keeps checkpoint-10: write its name into"):
+        latest_checkpoint(tmp_path)
+    (tmp_path / "checkpoint-14").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"is incomplete \(no trainer_state\.pt\); the run directory keeps "
+                                                r"checkpoint-10"):
+        latest_checkpoint(tmp_path)
+    (tmp_path / "latest").write_text("checkpoint-10")
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-10"
