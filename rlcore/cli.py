@@ -124,6 +124,11 @@ def run_command(argv: list[str] | None = None) -> int:
         # names the problem and the value; a traceback would only bury it.
         print(f"rlcore: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: what is kept and how to go on, not a traceback
+        kept = (run / "latest").read_text().strip() if (run / "latest").is_file() else None
+        print("\nrlcore: interrupted; " + (f"{run} keeps {kept}: continue with rlcore train --resume {run}" if kept
+              else "no checkpoint was written yet (train.save_steps), so a new run starts over"), file=sys.stderr)
+        return 130
     finally:
         distributed.close()  # under torchrun: before exit, not in the interpreter's teardown
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports

@@ -24,6 +24,7 @@ import textwrap
 import types
 import typing
 import warnings
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -353,6 +354,16 @@ def _toml_value(v) -> str:
 def _toml_string(s: str) -> str:
     escapes = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
     return '"' + "".join(escapes.get(c, c if c.isprintable() else f"\\u{ord(c):04x}") for c in s) + '"'
+
+
+def recorded_model_path(config_toml: Path) -> str | None:
+    """The model.path a run directory's config.toml records ("embedded" for the embedded model),
+    read without applying or checking the rest; None when the file is absent."""
+    if not config_toml.is_file():
+        return None
+    with open(config_toml, "rb") as f:
+        path = tomllib.load(f).get("model", {}).get("path", "")
+    return "embedded" if path in ("", "embedded") else path
 
 
 def load_config(path: str | None = None, overrides: list[str] = (), world_size: int = 1) -> Config:

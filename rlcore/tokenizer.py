@@ -284,8 +284,20 @@ class Tokenizer:
                 message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
             chat.append(message)
         variables = {**self.special_tokens, "tools": None, "documents": None, **kwargs}
-        text = compile_chat_template(template).render(
-            messages=chat, add_generation_prompt=add_generation_prompt, **variables)
+        where = "the chat_template given" if chat_template else f"{self.source}'s chat template"
+        try:
+            compiled = compile_chat_template(template)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"{where} is not valid jinja (line {e.lineno}: {e.message}); fix the template "
+                             f"(chat_template.jinja, or tokenizer_config.json's chat_template)") from None
+        try:
+            text = compiled.render(messages=chat, add_generation_prompt=add_generation_prompt, **variables)
+        except jinja2.TemplateError as e:  # raise_exception() in the template, or an undefined operation
+            roles = [m.get("role") for m in chat]
+            hint = (" The conversation has a system message (data.system_prompt, or the dataset's prompt), "
+                    "which some templates refuse: drop it or fold it into the user message."
+                    if "system" in roles else "")
+            raise ValueError(f"{where} refused the conversation with roles {roles}: {e}.{hint}") from None
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from rlcore.checkpoint import checkpoint_step, latest_checkpoint, load_model, load_trainer_state, save_checkpoint
-from rlcore.config import Config, dump_config, epoch_steps, generation_steps, validate
+from rlcore.config import Config, dump_config, epoch_steps, generation_steps, recorded_model_path, validate
 from rlcore import distributed
 from rlcore.data import encode_prompts, load_examples
 from rlcore.embedded import build_embedded_model
@@ -127,6 +127,20 @@ def policy_loss_options(lc) -> dict:
         vespo_lambda_neg=lc.vespo_lambda_neg)
 
 
+def check_resumed_model(run: Path, cfg: Config) -> None:
+    """A resumed run keeps the model.path it started from (its config.toml's), and needs it: the
+    tokenizer, and with beta the reference model, come from there."""
+    started, now = recorded_model_path(run / "config.toml"), cfg.model.path or "embedded"
+    if started is not None and started != now:
+        raise ValueError(f"--resume {run}: model.path = {now}, but the run started from {started} (its "
+                         f"config.toml); a resumed run keeps its model and tokenizer: drop the new model.path, "
+                         f"or start a new run from {latest_checkpoint(run) / 'model'}")
+    if now != "embedded" and not Path(now).exists():
+        needed = "the tokenizer and the reference model are" if cfg.loss.beta else "the tokenizer is"
+        raise FileNotFoundError(f"--resume {run}: the run's model.path {now} is gone; {needed} read from it: "
+                                f"restore it there")
+
+
 def reference_model(cfg: Config, model, model_dir: Path, ck: Path | None, device) -> torch.nn.Module:
     """The KL reference: model.ref_path or the initial policy, or on --resume the copy a checkpoint
     holds once loss.sync_ref_model has changed it. sync_ref_model needs the policy's architecture."""
@@ -214,6 +228,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
     if not resume and (run / "latest").exists():
         raise FileExistsError(f"{run} already holds checkpoints; continue it with --resume {run}, "
                               "or choose a new train.output_dir (nothing is overwritten)")
+    if resume:
+        check_resumed_model(run, cfg)
     torch.manual_seed(t.seed)
 
     # Model, tokenizer, data.

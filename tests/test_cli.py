@@ -3,6 +3,7 @@ messages naming the problem and the fix), --resume's refusals, and `rlcore optio
 use the embedded model (conftest) and test_train.py's `SMALL` overrides and helpers."""
 
 import re
+import shutil
 import sys
 
 import pytest
@@ -79,6 +80,39 @@ def test_cli_resume_of_a_run_without_config_toml_asks_for_its_config(tmp_path, c
     assert f"the run directory has no config.toml; give the config the run was started with: rlcore train " \
            f"CONFIG --resume {run}" in capsys.readouterr().err
     assert not (run / "config.toml").exists() and (run / "latest").read_text().strip() == "checkpoint-1"
+
+
+def test_cli_resume_keeps_the_runs_model_and_needs_it(tmp_path, capsys, embedded_dir):
+    model = tmp_path / "model"
+    shutil.copytree(embedded_dir, model)
+    run = tmp_path / "run"
+    assert main(cli_args(run, "train.max_steps=1", f"model.path={model}")) == 0
+    recorded = (run / "config.toml").read_bytes()
+    other = tmp_path / "other"
+    shutil.copytree(embedded_dir, other)
+    assert main(["train", "--resume", str(run), "--set", "train.max_steps=2", "--set", f"model.path={other}"]) == 1
+    assert (f"--resume {run}: model.path = {other}, but the run started from {model} (its config.toml); a resumed "
+            f"run keeps its model and tokenizer") in capsys.readouterr().err  # was: trained on with other's tokenizer
+    model.rename(tmp_path / "moved")
+    assert main(["train", "--resume", str(run), "--set", "train.max_steps=2"]) == 1
+    assert f"the run's model.path {model} is gone; the tokenizer is read from it" in capsys.readouterr().err
+    assert (run / "config.toml").read_bytes() == recorded and [r["step"] for r in rows(run)] == [1]
+
+
+def test_cli_ctrl_c_says_what_is_kept_and_how_to_continue(tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    assert main(cli_args(run, "train.max_steps=1")) == 0
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("rlcore.train.train", interrupted)
+    assert main(["train", "--resume", str(run), "--set", "train.max_steps=2"]) == 130
+    err = capsys.readouterr().err
+    assert f"rlcore: interrupted; {run} keeps checkpoint-1: continue with rlcore train --resume {run}" in err
+    assert "Traceback" not in err
+    assert main(cli_args(tmp_path / "new", "train.max_steps=1")) == 130
+    assert "no checkpoint was written yet" in capsys.readouterr().err
 
 
 def test_cli_refuses_to_train_over_an_existing_run(tmp_path, capsys):

@@ -12,7 +12,6 @@ import json
 import re
 from pathlib import Path
 
-import jinja2
 import pytest
 import torch
 from tokenizers import Tokenizer as RustTokenizer
@@ -431,10 +430,19 @@ def test_template_globals_match_transformers(tmp_path):
     assert_chat_matches(ours, ref, MESSAGES, add_generation_prompt=False)
 
 
-def test_raise_exception_in_a_template_raises_template_error(tmp_path):
+def test_raise_exception_in_a_template_is_an_error_naming_the_checkpoint_and_the_system_message(tmp_path):
     template = "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be user') }}{% endif %}"
-    ours = Tokenizer.from_dir(qwen_checkpoint(tmp_path, template))
-    with pytest.raises(jinja2.TemplateError, match="first message must be user"):
+    path = qwen_checkpoint(tmp_path, template)
+    ours = Tokenizer.from_dir(path)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}'s chat template refused the conversation with "
+                                         r"roles \['system', 'user', 'assistant', 'user'\]: first message must be user\. The conversation "
+                                         r"has a system message \(data\.system_prompt"):  # was a jinja2 traceback
+        ours.apply_chat_template(MESSAGES)
+
+
+def test_a_template_that_is_not_valid_jinja_is_named_with_its_line(tmp_path):
+    ours = Tokenizer.from_dir(qwen_checkpoint(tmp_path, "{% for m in messages %}\n{{ m.content }\n{% endfor %}"))
+    with pytest.raises(ValueError, match=r"chat template is not valid jinja \(line 2: unexpected '}'\); fix the template"):
         ours.apply_chat_template(MESSAGES)
 
 
