@@ -123,6 +123,19 @@ def tied_copy_differs(files: dict[str, Path], stored: dict[str, str]) -> bool:
     return tensors[0].shape != tensors[1].shape or not torch.equal(*tensors)
 
 
+def resolve_dtype(dtype: str, path: str | os.PathLike) -> str:
+    """model.dtype as a dtype name: 'auto' is the checkpoint's own (config.json's `dtype`, or
+    `torch_dtype`; float32 when it names none), as transformers' dtype="auto" reads it."""
+    if dtype != "auto":
+        return dtype
+    raw = load_config(path).raw
+    name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    if name not in ("float32", "bfloat16"):
+        raise CheckpointError(f"{Path(path) / 'config.json'}: model.dtype = 'auto' takes its dtype {name!r}, which "
+                              f"rlcore does not train in; set model.dtype = 'float32' (or 'bfloat16')")
+    return name
+
+
 def load_model(path: str | os.PathLike, dtype: torch.dtype | str = torch.float32,
                device: torch.device | str = "cpu") -> Transformer:
     """Load a Llama / Qwen2 / Qwen3 checkpoint directory into an rlcore `Transformer`.
@@ -133,7 +146,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str = torch.float32
     warning; a missing tensor is an error.
     """
     path = Path(path)
-    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    dtype = DTYPES[resolve_dtype(dtype, path)] if isinstance(dtype, str) else dtype  # a name, or 'auto'
     cfg = load_config(path)
     files = weight_files(path)
     stored = stored_names(files)

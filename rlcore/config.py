@@ -45,8 +45,8 @@ class ConfigError(ValueError):
 class ModelArgs:
     path: str = ""
     """Hugging Face checkpoint dir (config.json, *.safetensors, tokenizer); "" or "embedded" = the embedded tiny model"""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """dtype the policy (and reference) weights are stored and updated in; for mixed precision keep float32 and set train.bf16"""
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+    """dtype the policy (and reference) weights are stored and updated in ('auto': the checkpoint's); for mixed precision keep float32 and set train.bf16"""
     ref_path: str | None = None
     """checkpoint for the reference model (read only when loss.beta != 0); None = the initial policy"""
 
@@ -645,6 +645,14 @@ def epoch_steps(num_prompts: int, prompts_per_round: int, steps_per_round: int, 
     return max(1, math.ceil(epochs * rounds * steps_per_round))
 
 
+def warn_bf16_weights(config: Config, setting: str) -> None:
+    """The warning for training bf16 weights (model.dtype = 'bfloat16', or 'auto' on a bf16 checkpoint)."""
+    warnings.warn(f"{setting}: AdamW updates the bf16 weights themselves (no fp32 master copy), so an update "
+                  f"below bf16's resolution (0.4% of the weight) is lost, as most are at learning_rate "
+                  f"{config.train.learning_rate:g}; for mixed precision keep model.dtype = 'float32' and set "
+                  "train.bf16 = true (TRL's bf16=True)", RlcoreWarning, stacklevel=3)
+
+
 def validate(config: Config, world_size: int = 1) -> None:
     """Check ranges and batch-size consistency (SPEC section 1); raise one ConfigError listing every problem."""
     problems = []
@@ -766,10 +774,7 @@ def validate(config: Config, world_size: int = 1) -> None:
          f"data.task = 'countdown' is scored by the 'countdown' reward, but loss.reward_funcs = "
          f"{lo.reward_funcs}; --set loss.reward_funcs='[\"countdown\"]'")
     if config.model.dtype == "bfloat16":
-        warnings.warn("model.dtype = 'bfloat16': AdamW updates the bf16 weights themselves (no fp32 master copy), "
-                      "so an update below bf16's resolution (0.4% of the weight) is lost, as most are at "
-                      f"learning_rate {t.learning_rate:g}; for mixed precision keep model.dtype = 'float32' and set "
-                      "train.bf16 = true (TRL's bf16=True)", RlcoreWarning, stacklevel=2)
+        warn_bf16_weights(config, "model.dtype = 'bfloat16'")
     if lo.loss_type == "luspo" and lo.importance_sampling_level != "sequence":
         warnings.warn(f"loss.loss_type = 'luspo' with loss.importance_sampling_level = "
                       f"{lo.importance_sampling_level!r}: LUSPO is GSPO's sequence ratio with a length-unbiased "

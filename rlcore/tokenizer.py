@@ -30,6 +30,9 @@ Llama 3 / Qwen2 / Qwen3 layouts the tests cover:
 - tokenizer.json runs as saved. For a Llama 2 tokenizer (tokenizer_class LlamaTokenizer) with the
   older normalizer layout, transformers 5 rebuilds the pre-tokenizer from `legacy` and
   `add_prefix_space` and its ids differ; rlcore's are SentencePiece's (and transformers 4's).
+  Likewise for tokenizer_class Qwen2Tokenizer, transformers 5 replaces tokenizer.json's
+  normalizer and pre-tokenizer with the class's own; the two agree on Qwen's released files,
+  and differ only for a tokenizer.json with another pre-tokenizer under that class name.
 - a missing bos/eos/pad/unk token is not filled from the tokenizer class's defaults, and a
   "tool_use" chat template is never picked.
 """

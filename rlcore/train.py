@@ -29,8 +29,10 @@ from pathlib import Path
 
 import torch
 
-from rlcore.checkpoint import checkpoint_step, latest_checkpoint, load_model, load_trainer_state, save_checkpoint
-from rlcore.config import Config, dump_config, epoch_steps, generation_steps, recorded_model_path, validate
+from rlcore.checkpoint import (checkpoint_step, latest_checkpoint, load_model, load_trainer_state, resolve_dtype,
+                               save_checkpoint)
+from rlcore.config import (Config, dump_config, epoch_steps, generation_steps, recorded_model_path, validate,
+                           warn_bf16_weights)
 from rlcore import distributed
 from rlcore.data import encode_prompts, load_examples
 from rlcore.embedded import build_embedded_model
@@ -141,11 +143,11 @@ def check_resumed_model(run: Path, cfg: Config) -> None:
                                 f"restore it there")
 
 
-def reference_model(cfg: Config, model, model_dir: Path, ck: Path | None, device) -> torch.nn.Module:
+def reference_model(cfg: Config, model, model_dir: Path, ck: Path | None, dtype: str, device) -> torch.nn.Module:
     """The KL reference: model.ref_path or the initial policy, or on --resume the copy a checkpoint
     holds once loss.sync_ref_model has changed it. sync_ref_model needs the policy's architecture."""
     synced = ck / "ref_model" if ck and (ck / "ref_model").is_dir() else None
-    ref = load_model(synced or cfg.model.ref_path or model_dir, cfg.model.dtype, device).eval()
+    ref = load_model(synced or cfg.model.ref_path or model_dir, dtype, device).eval()
     differ = weight_layout_difference(ref, model) if cfg.loss.sync_ref_model else None
     if differ:
         raise ValueError(f"loss.sync_ref_model mixes the policy into the reference weight by weight, but "
@@ -238,10 +240,13 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                  else embedded_model_dir(cfg, rank, world))
     tok = Tokenizer.from_dir(model_dir)
     ck = latest_checkpoint(Path(resume)) if resume else None
-    model = load_model(ck / "model" if ck else model_dir, cfg.model.dtype, device)
+    dtype = resolve_dtype(cfg.model.dtype, model_dir)  # 'auto': the checkpoint's
+    if cfg.model.dtype == "auto" and dtype == "bfloat16" and main:
+        warn_bf16_weights(cfg, f"model.dtype = 'auto' on {model_dir}, a bfloat16 checkpoint")
+    model = load_model(ck / "model" if ck else model_dir, dtype, device)
     model.gradient_checkpointing = t.gradient_checkpointing
     check_vocab_fits(tok, model.config.vocab_size, model_dir)
-    ref = reference_model(cfg, model, model_dir, ck, device) if lc.beta else None
+    ref = reference_model(cfg, model, model_dir, ck, dtype, device) if lc.beta else None
     for split in (train_set, eval_set):
         ids = encode_prompts(split, tok, cfg.data.system_prompt, cfg.data.use_chat_template,
                              cfg.data.max_prompt_length, cfg.data.chat_template_kwargs)

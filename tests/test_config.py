@@ -232,7 +232,7 @@ def test_a_trl_config_loads_and_says_what_it_ignores(tmp_path):
     ("fp16 = true", r"set train\.bf16 = true"),
     ("model_init_kwargs = {device_map = 'auto'}", r"model_init_kwargs key 'device_map' \(= 'auto'\) has no rlcore "
                                                  r"equivalent; rlcore takes dtype \(or torch_dtype\), as model\.dtype"),
-    ("model_init_kwargs = {torch_dtype = 'auto'}", r"model\.dtype = 'auto' is not a valid choice"),
+    ("model_init_kwargs = {torch_dtype = 'float16'}", r"model\.dtype = 'float16' is not a valid choice"),
     ("generation_kwargs = {num_beams = 3}", r"generation_kwargs key 'num_beams' \(= 3\) has no rlcore equivalent; "
                                             r"rlcore's rollout takes temperature, top_p"),
     ("[train]\nuse_cpu = true", r"set train\.device = 'cpu'"),

@@ -289,3 +289,44 @@ def test_the_shipped_trl_style_recipe_loads_unchanged_and_trains(qwen_dir, gsm8k
     got = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in got] == [1, 2] and all(r["loss"] is not None for r in got)
     assert got[0]["lr"] == pytest.approx(3e-6 * 1 / 2)  # warmup: step 0 of ceil(0.1 * 2) = 1 runs at (0+1)/(1+1)
+
+
+def test_trls_dtype_auto_trains_in_the_checkpoints_dtype(qwen_dir, gsm8k_file, tmp_path):
+    """TRL's model_init_kwargs dtype = "auto" (transformers' from_pretrained(dtype="auto")) was a config
+    error; it is the checkpoint's dtype, read from its config.json as transformers reads it."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(qwen_dir, dtype=torch.bfloat16)
+    hf.save_pretrained(qwen_dir)  # a bf16 checkpoint; config.json says so
+    assert transformers.AutoModelForCausalLM.from_pretrained(qwen_dir, dtype="auto").dtype == torch.bfloat16
+    run = tmp_path / "run"
+    cfg = load_config(None, [
+        f"model.path={qwen_dir}", "data.task=jsonl", f"data.path={gsm8k_file}", "data.prompt_column=question",
+        "data.num_eval=4", "rollout.num_generations=4", "rollout.max_completion_length=4",
+        f"loss.reward_funcs=['{__name__}:brevity']", "train.per_device_train_batch_size=8", "train.max_steps=1",
+        "train.device=cpu", f"train.output_dir={run}", 'model_init_kwargs={torch_dtype="auto"}'])
+    assert cfg.model.dtype == "auto"
+    with pytest.warns(UserWarning, match=r"model\.dtype = 'auto' on .*, a bfloat16 checkpoint: AdamW updates the bf16"):
+        train(cfg)
+    saved = load_model(run / "checkpoint-1" / "model", "auto")
+    assert {p.dtype for p in saved.parameters()} == {torch.bfloat16}
+    assert json.loads((run / "checkpoint-1" / "model" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("stored, want", [("float32", "float32"), ("bfloat16", "bfloat16"), (None, "float32"),
+                                          ("float16", "does not train in")])
+def test_resolve_dtype_reads_the_checkpoints_config(stored, want, hf_checkpoint):
+    from rlcore.checkpoint import CheckpointError, resolve_dtype
+
+    path, _ = hf_checkpoint("qwen2")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("torch_dtype", None)
+    cfg.pop("dtype", None)
+    if stored:
+        cfg["torch_dtype"] = stored  # the key hub checkpoints written by transformers 4 carry
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert resolve_dtype("bfloat16", path) == "bfloat16"  # an explicit dtype is kept
+    if want.startswith("does"):
+        with pytest.raises(CheckpointError, match=r"model\.dtype = 'auto' takes its dtype 'float16', which rlcore "
+                                                  r"does not train in; set model\.dtype = 'float32'"):
+            resolve_dtype("auto", path)
+    else:
+        assert resolve_dtype("auto", path) == want
