@@ -44,6 +44,7 @@ def plot_metrics(run_dir: Path) -> str:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(run_dir / "curve.png", dpi=120)
+    plt.close(fig)  # pyplot keeps every figure open until closed
     return f"plot: {run_dir / 'curve.png'}"
 
 
@@ -86,7 +87,7 @@ def run_command(argv: list[str] | None = None) -> int:
         print(options_table())
         return 0
 
-    if args.resume and not args.config and Path(args.resume).is_dir():
+    if args.resume and not args.config and (Path(args.resume) / "latest").is_file():  # else: an error below
         if not (Path(args.resume) / "config.toml").is_file():  # train() writes it; older Python-started runs lack it
             print(f"rlcore: error: --resume {args.resume}: the run directory has no config.toml; give the config "
                   f"the run was started with: rlcore train CONFIG --resume {args.resume}", file=sys.stderr)
