@@ -67,6 +67,12 @@ def read_json(path):
         return json.load(f)
 
 
+def rewrite_config(path, drop=(), **changes):
+    """Edit checkpoint `path`'s config.json: remove the keys `drop`, then set `changes`."""
+    cfg = {k: v for k, v in read_json(path / "config.json").items() if k not in drop}
+    (path / "config.json").write_text(json.dumps({**cfg, **changes}))
+
+
 # ---- the embedded default model, for the loop's tests (test_train.py, test_train_options.py, test_cli.py)
 
 EMBEDDED_SEED, EMBEDDED_NUM_EVAL = 0, 16

@@ -9,6 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from rlcore.checkpoint import CheckpointError, load_model, save_model
 
+from conftest import rewrite_config
+
 
 def logits(model, ids):
     with torch.no_grad():
@@ -187,9 +189,7 @@ def test_truncated_safetensors(hf_checkpoint):
 
 def test_a_config_without_model_type_says_so(hf_checkpoint):
     path, _ = hf_checkpoint("qwen2")
-    cfg = json.loads((path / "config.json").read_text())
-    del cfg["model_type"]
-    (path / "config.json").write_text(json.dumps(cfg))
+    rewrite_config(path, drop=["model_type"])
     with pytest.raises(CheckpointError, match=r"config\.json: no model_type key; add the family, \"model_type\": one of "
                                               r"'llama', 'qwen2', 'qwen3'"):
         load_model(path)
@@ -197,9 +197,7 @@ def test_a_config_without_model_type_says_so(hf_checkpoint):
 
 def test_a_tied_model_whose_config_does_not_say_so_names_tie_word_embeddings(hf_checkpoint):
     path, _ = hf_checkpoint("qwen2_tied")
-    cfg = json.loads((path / "config.json").read_text())
-    del cfg["tie_word_embeddings"]  # False for every family by default
-    (path / "config.json").write_text(json.dumps(cfg))
+    rewrite_config(path, drop=["tie_word_embeddings"])  # False for every family by default
     with pytest.raises(CheckpointError, match=r"missing \['lm_head\.weight'\]; the output layer is stored only as "
                                               r"the embedding: .*\"tie_word_embeddings\": true"):
         load_model(path)
@@ -207,9 +205,7 @@ def test_a_tied_model_whose_config_does_not_say_so_names_tie_word_embeddings(hf_
 
 def test_unknown_model_type_lists_supported(hf_checkpoint):
     path, _ = hf_checkpoint("qwen2")
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["model_type"] = "gpt2"
-    (path / "config.json").write_text(json.dumps(cfg))
+    rewrite_config(path, model_type="gpt2")
     with pytest.raises(CheckpointError, match=r"config\.json: unsupported model_type 'gpt2'.*llama, qwen2, qwen3"):
         load_model(path)
 
@@ -217,9 +213,7 @@ def test_unknown_model_type_lists_supported(hf_checkpoint):
 @pytest.mark.parametrize("key, value", [("num_hidden_layers", "1"), ("hidden_size", 64.0), ("num_attention_heads", 0)])
 def test_a_size_that_is_not_a_positive_integer_is_named(hf_checkpoint, key, value):
     path, _ = hf_checkpoint("qwen2")
-    cfg = json.loads((path / "config.json").read_text())
-    cfg[key] = value
-    (path / "config.json").write_text(json.dumps(cfg))
+    rewrite_config(path, **{key: value})
     with pytest.raises(CheckpointError, match=rf"config\.json: {key} = {value!r} must be a positive integer"):
         load_model(path)
 
@@ -232,9 +226,7 @@ def test_a_size_that_is_not_a_positive_integer_is_named(hf_checkpoint, key, valu
 ])
 def test_head_counts_that_do_not_divide_are_named(hf_checkpoint, changes, message):
     path, _ = hf_checkpoint("qwen2")
-    cfg = json.loads((path / "config.json").read_text())
-    cfg.pop("head_dim", None)
-    (path / "config.json").write_text(json.dumps({**cfg, **changes}))
+    rewrite_config(path, drop=["head_dim"], **changes)
     with pytest.raises(CheckpointError, match=r"config\.json: " + message):
         load_model(path)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_hf_model
+from conftest import make_hf_model, rewrite_config
 from rlcore.checkpoint import load_model
 from rlcore.config import load_config
 from rlcore.data import format_prompt
@@ -317,12 +317,8 @@ def test_resolve_dtype_reads_the_checkpoints_config(stored, want, hf_checkpoint)
     from rlcore.checkpoint import CheckpointError, resolve_dtype
 
     path, _ = hf_checkpoint("qwen2")
-    cfg = json.loads((path / "config.json").read_text())
-    cfg.pop("torch_dtype", None)
-    cfg.pop("dtype", None)
-    if stored:
-        cfg["torch_dtype"] = stored  # the key hub checkpoints written by transformers 4 carry
-    (path / "config.json").write_text(json.dumps(cfg))
+    stored = {"torch_dtype": stored} if stored else {}  # the key of hub checkpoints written by transformers 4
+    rewrite_config(path, drop=["torch_dtype", "dtype"], **stored)
     assert resolve_dtype("bfloat16", path) == "bfloat16"  # an explicit dtype is kept
     if want.startswith("does"):
         with pytest.raises(CheckpointError, match=r"model\.dtype = 'auto' takes its dtype 'float16', which rlcore "
