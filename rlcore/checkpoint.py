@@ -32,6 +32,7 @@ from rlcore.tokenizer import read_json as read_json_object
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STORED_FLOATS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}  # safetensors' names
 
 
 class CheckpointError(ValueError):
@@ -124,12 +125,17 @@ def tied_copy_differs(files: dict[str, Path], stored: dict[str, str]) -> bool:
 
 
 def resolve_dtype(dtype: str, path: str | os.PathLike) -> str:
-    """model.dtype as a dtype name: 'auto' is the checkpoint's own (config.json's `dtype`, or
-    `torch_dtype`; float32 when it names none), as transformers' dtype="auto" reads it."""
+    """model.dtype as a dtype name: 'auto' is the checkpoint's own, as transformers' dtype="auto"
+    reads it: config.json's `dtype` (or `torch_dtype`), else the dtype of the first floating-point
+    tensor of the first weight file."""
     if dtype != "auto":
         return dtype
     raw = load_config(path).raw
-    name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    name = raw.get("dtype") or raw.get("torch_dtype")
+    if name is None:
+        with open_weights(min(weight_files(Path(path)).values())) as f:
+            stored = [f.get_slice(key).get_dtype() for key in f.keys()]
+        name = next((STORED_FLOATS[d] for d in stored if d in STORED_FLOATS), "float32")
     if name not in ("float32", "bfloat16"):
         raise CheckpointError(f"{Path(path) / 'config.json'}: model.dtype = 'auto' takes its dtype {name!r}, which "
                               f"rlcore does not train in; set model.dtype = 'float32' (or 'bfloat16')")

@@ -94,8 +94,10 @@ def run_command(argv: list[str] | None = None) -> int:
             return 1
         args.config = str(Path(args.resume) / "config.toml")
     # Reward functions named "module:function" import from the current directory, as with
-    # `python -m rlcore.cli` (the `rlcore` script alone would not look there).
-    sys.path.insert(0, os.getcwd())
+    # `python -m rlcore.cli` (the `rlcore` script alone would not look there); last on the path,
+    # so a file there named like one of rlcore's dependencies does not shadow it.
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         cfg = load_config(args.config or DEFAULT_CONFIG, args.overrides,
                           world_size=int(os.environ.get("WORLD_SIZE", "1")))  # set by torchrun
@@ -125,7 +127,9 @@ def run_command(argv: list[str] | None = None) -> int:
         # names the problem and the value; a traceback would only bury it.
         print(f"rlcore: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C: what is kept and how to go on, not a traceback
+    except KeyboardInterrupt:  # Ctrl-C (one process; torchrun stops its workers with SIGTERM instead)
+        if int(os.environ.get("RANK", "0")) != 0:
+            return 130
         kept = (run / "latest").read_text().strip() if (run / "latest").is_file() else None
         print("\nrlcore: interrupted; " + (f"{run} keeps {kept}: continue with rlcore train --resume {run}" if kept
               else "no checkpoint was written yet (train.save_steps), so a new run starts over"), file=sys.stderr)

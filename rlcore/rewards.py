@@ -14,7 +14,7 @@ The keywords are TRL's (`reward_inputs` builds them):
 A function with `**kwargs` receives all of them; one without gets those it names. It returns
 one float (or bool) per completion, or None (or NaN) where it cannot score that completion (for
 example, the row has no reference answer); SPEC section 2 says how None enters the advantages.
-An infinite score is an error. Async functions are awaited.
+An infinite score (or one past float32's range) is an error. Async functions are awaited.
 
 Your own reward function has the same shape; name it in the config as "module:function", with
 the module importable: from the current directory (the command line puts it on the path) or
@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import re
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable
 
 RewardFunc = Callable[..., list]
-REWARD_EXTRAS = ("completion_ids", "trainer_state", "log_metric", "log_extra")
-"""The keywords a reward function gets besides prompts, completions and the dataset's columns."""
 NOT_COLUMNS = ("prompt", "prompt_ids")  # example keys that are not passed as columns
 
 
@@ -42,6 +41,17 @@ class RewardState:
 
     global_step: int
     max_steps: int
+
+
+def reward_extras(completion_ids: list[list[int]], trainer_state: RewardState,
+                  log_metric: Callable[[str, float], None], log_extra: Callable[[str, list], None]) -> dict:
+    """What a reward function gets besides prompts, completions and the dataset's columns, by
+    keyword (REWARD_EXTRAS, the names the signature check allows)."""
+    return {"completion_ids": completion_ids, "trainer_state": trainer_state, "log_metric": log_metric,
+            "log_extra": log_extra}
+
+
+REWARD_EXTRAS = tuple(inspect.signature(reward_extras).parameters)
 
 
 def dataset_columns(examples: list[dict]) -> list[str]:

@@ -13,11 +13,13 @@
 
 The loop's own flags (off-policy or not, beta, TIS, the entropy bonus, a synced reference) are
 `if`s in `train()`; the loss's options are keywords of `rlcore.losses.policy_loss`, which
-`policy_loss_options` fills from the config. The other helpers above `train()` only move data.
+`policy_loss_options` fills from the config. The helpers above `train()` set the run up (device,
+optimizer, schedule, models, the resume check, evaluation); none of them decides a step.
 """
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import json
 import math
@@ -42,7 +44,7 @@ from rlcore.losses.entropy import EntropyBonus
 from rlcore.losses.metrics import rollout_mismatch
 from rlcore.losses.policy import entropy_mask, mask_truncated, policy_loss, tis_weights
 from rlcore.model import mix_into, weight_layout_difference
-from rlcore.rewards import REWARD_EXTRAS, RewardState, dataset_columns, get_reward_funcs, reward_inputs
+from rlcore.rewards import REWARD_EXTRAS, RewardState, dataset_columns, get_reward_funcs, reward_extras, reward_inputs
 from rlcore.rollout import generate
 from rlcore.runlog import drop_rows_after, log_completions, log_line, record_eval, reduce_metrics
 from rlcore.sft import SharedPrompts, completion_logprobs, pack
@@ -131,16 +133,20 @@ def policy_loss_options(lc) -> dict:
 
 def check_resumed_model(run: Path, cfg: Config) -> None:
     """A resumed run keeps the model.path it started from (its config.toml's), and needs it: the
-    tokenizer, and with beta the reference model, come from there."""
+    tokenizer, and with beta the reference model, come from there. Another spelling of the same
+    directory is the same model, and so is a new place once the recorded one is gone (moved)."""
     started, now = recorded_model_path(run / "config.toml"), cfg.model.path or "embedded"
-    if started is not None and started != now:
-        raise ValueError(f"--resume {run}: model.path = {now}, but the run started from {started} (its "
-                         f"config.toml); a resumed run keeps its model and tokenizer: drop the new model.path, "
-                         f"or start a new run from {latest_checkpoint(run) / 'model'}")
     if now != "embedded" and not Path(now).exists():
         needed = "the tokenizer and the reference model are" if cfg.loss.beta else "the tokenizer is"
-        raise FileNotFoundError(f"--resume {run}: the run's model.path {now} is gone; {needed} read from it: "
-                                f"restore it there")
+        raise FileNotFoundError(f"--resume {run}: the run's model.path {now} is gone (a relative path is taken "
+                                f"from the current directory); {needed} read from it: restore it, or give its "
+                                f"new place with --set model.path=...")
+    if started is None or started == now:
+        return
+    if "embedded" in (started, now) or Path(started).exists() and not os.path.samefile(started, now):
+        raise ValueError(f"--resume {run}: model.path = {now}, but the run started from {started} (its "
+                         f"config.toml); a resumed run keeps its model and tokenizer: drop the new model.path, "
+                         f"or start a new run from a checkpoint's model/ directory")
 
 
 def reference_model(cfg: Config, model, model_dir: Path, ck: Path | None, dtype: str, device) -> torch.nn.Module:
@@ -234,8 +240,11 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         check_resumed_model(run, cfg)
     torch.manual_seed(t.seed)
 
-    # Model, tokenizer, data.
+    # Data and reward functions (checked before a model loads), model, tokenizer.
     train_set, eval_set = load_examples(cfg.data)
+    reward_funcs = get_reward_funcs(lc.reward_funcs)
+    columns = dataset_columns(train_set)  # passed to every reward call, None where a row lacks one
+    check_reward_funcs(reward_funcs, ["prompts", "completions", *REWARD_EXTRAS, *columns])
     model_dir = (Path(cfg.model.path) if cfg.model.path not in ("", "embedded")
                  else embedded_model_dir(cfg, rank, world))
     tok = Tokenizer.from_dir(model_dir)
@@ -252,9 +261,6 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                              cfg.data.max_prompt_length, cfg.data.chat_template_kwargs)
         for ex, p in zip(split, ids):
             ex["prompt_ids"] = p
-    reward_funcs = get_reward_funcs(lc.reward_funcs)
-    columns = dataset_columns(train_set)  # passed to every reward call, None where a row lacks one
-    check_reward_funcs(reward_funcs, ["prompts", "completions", *REWARD_EXTRAS, *columns])
     accuracy_fn = get_reward_funcs([TASK_REWARD[cfg.data.task]])[0]
     stop_sequences = [ids for s in rc.stop for ids in tok.stop_ids(s)]  # rollout.stop as token ids
 
@@ -281,7 +287,10 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                          f"number above {done})")
     if main:  # every input loaded and checked: a bad one leaves no run directory behind
         run.mkdir(parents=True, exist_ok=True)
-        (run / "config.toml.tmp").write_text(dump_config(cfg))
+        recorded = copy.deepcopy(cfg)
+        if cfg.model.path not in ("", "embedded"):  # absolute: a --resume from another directory finds it
+            recorded.model.path = str(Path(cfg.model.path).resolve())
+        (run / "config.toml.tmp").write_text(dump_config(recorded))
         os.replace(run / "config.toml.tmp", run / "config.toml")  # a crash leaves the previous one
 
     opt = adamw(model, t)
@@ -348,10 +357,9 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         prompts, completions, values = reward_inputs(rows, decode_completions(tok, ro), columns)
         completion_ids = [c[:n].tolist() for c, n in zip(ro.completion_ids, ro.lengths)]
         logged, extra = defaultdict(list), {}  # what reward functions report (log_metric, log_extra)
-        trl_kwargs = {"completion_ids": completion_ids,  # REWARD_EXTRAS
-                      "trainer_state": RewardState(step, max_steps),
-                      "log_metric": lambda name, value: logged[name].append(float(value)),
-                      "log_extra": lambda column, values: extra.setdefault(column, []).extend(values)}
+        trl_kwargs = reward_extras(completion_ids, RewardState(step, max_steps),
+                                   log_metric=lambda name, value: logged[name].append(float(value)),
+                                   log_extra=lambda column, values: extra.setdefault(column, []).extend(values))
         R = score_completions(reward_funcs, prompts, completions, values, lc.reward_on_error, trl_kwargs)
         logged = distributed.concat_over_ranks(logged, world)  # every rank's log_metric values
         R = distributed.gather_rows(R.to(device), world)

@@ -69,6 +69,20 @@ def test_an_index_that_misplaces_or_omits_a_tensor_loads_as_in_transformers(dama
         assert torch.equal(logits(load_model(out), IDS), ref(IDS).logits)  # was: a raw RuntimeError / "missing"
 
 
+def test_a_tensor_in_two_shards_loads_from_the_one_the_index_names(hf_checkpoint, tmp_path):
+    path, hf = hf_checkpoint("llama")
+    out = tmp_path / "sh"
+    hf.save_pretrained(out, max_shard_size="50KB")
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.norm.weight"
+    for other in sorted(set(weight_map.values()) - {weight_map[name]}):  # a zero copy in every other shard
+        tensors = load_file(out / other)
+        save_file({**tensors, name: torch.zeros_like(tensors.get(name, hf.model.norm.weight.detach()))}, out / other)
+    model = load_model(out)
+    assert torch.equal(model.model.norm.weight, hf.model.norm.weight.detach())
+    assert torch.equal(logits(model, IDS), logits(load_model(path), IDS))
+
+
 def test_load_in_bfloat16_converts_every_parameter(hf_checkpoint):
     model = load_model(hf_checkpoint("qwen3")[0], "bfloat16")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}

@@ -4,6 +4,7 @@ use the embedded model (conftest) and test_train.py's `SMALL` overrides and help
 
 import re
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -82,11 +83,13 @@ def test_cli_resume_of_a_run_without_config_toml_asks_for_its_config(tmp_path, c
     assert not (run / "config.toml").exists() and (run / "latest").read_text().strip() == "checkpoint-1"
 
 
-def test_cli_resume_keeps_the_runs_model_and_needs_it(tmp_path, capsys, embedded_dir):
+def test_cli_resume_keeps_the_runs_model_and_needs_it(tmp_path, capsys, embedded_dir, monkeypatch):
     model = tmp_path / "model"
     shutil.copytree(embedded_dir, model)
     run = tmp_path / "run"
-    assert main(cli_args(run, "train.max_steps=1", f"model.path={model}")) == 0
+    monkeypatch.chdir(tmp_path)
+    assert main(cli_args(run, "train.max_steps=1", "model.path=model")) == 0  # recorded as an absolute path
+    monkeypatch.chdir(run)
     recorded = (run / "config.toml").read_bytes()
     other = tmp_path / "other"
     shutil.copytree(embedded_dir, other)
@@ -95,8 +98,13 @@ def test_cli_resume_keeps_the_runs_model_and_needs_it(tmp_path, capsys, embedded
             f"run keeps its model and tokenizer") in capsys.readouterr().err  # was: trained on with other's tokenizer
     model.rename(tmp_path / "moved")
     assert main(["train", "--resume", str(run), "--set", "train.max_steps=2"]) == 1
-    assert f"the run's model.path {model} is gone; the tokenizer is read from it" in capsys.readouterr().err
+    assert f"the run's model.path {model} is gone (a relative path is taken from the current directory)" in \
+        capsys.readouterr().err
     assert (run / "config.toml").read_bytes() == recorded and [r["step"] for r in rows(run)] == [1]
+    # the recorded one gone, its new place is the model; another spelling of a directory is the same one
+    assert main(["train", "--resume", str(run), "--set", "train.max_steps=2", "--set", "model.path=../moved"]) == 0
+    assert main(["train", "--resume", str(run), "--set", "train.max_steps=3", "--set", "model.path=../moved/"]) == 0
+    assert [r["step"] for r in rows(run)] == [1, 2, 3]
 
 
 def test_cli_ctrl_c_says_what_is_kept_and_how_to_continue(tmp_path, capsys, monkeypatch):
@@ -107,12 +115,23 @@ def test_cli_ctrl_c_says_what_is_kept_and_how_to_continue(tmp_path, capsys, monk
         raise KeyboardInterrupt
 
     monkeypatch.setattr("rlcore.train.train", interrupted)
-    assert main(["train", "--resume", str(run), "--set", "train.max_steps=2"]) == 130
+    try:  # a KeyboardInterrupt the CLI lets through would stop the whole pytest session
+        codes = [main(["train", "--resume", str(run), "--set", "train.max_steps=2"]),
+                 main(cli_args(tmp_path / "new", "train.max_steps=1"))]
+    except KeyboardInterrupt:
+        pytest.fail("the command line let Ctrl-C through as a KeyboardInterrupt")
     err = capsys.readouterr().err
+    assert codes == [130, 130] and "Traceback" not in err
     assert f"rlcore: interrupted; {run} keeps checkpoint-1: continue with rlcore train --resume {run}" in err
-    assert "Traceback" not in err
-    assert main(cli_args(tmp_path / "new", "train.max_steps=1")) == 130
-    assert "no checkpoint was written yet" in capsys.readouterr().err
+    assert "no checkpoint was written yet" in err
+
+
+def test_cli_a_file_in_the_current_directory_does_not_shadow_a_dependency(tmp_path):
+    (tmp_path / "jinja2.py").write_text("raise ImportError('the user file, not jinja2')\n")
+    run = subprocess.run([sys.executable, "-I", "-c", "import sys; from rlcore.cli import main; "
+                          "sys.exit(main(['train', '--resume', 'nowhere']))"],  # -I: no cwd on the path, as `rlcore`
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and "--resume nowhere: no such run directory" in run.stderr, run.stderr
 
 
 def test_cli_refuses_to_train_over_an_existing_run(tmp_path, capsys):

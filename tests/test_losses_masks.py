@@ -159,3 +159,6 @@ def test_k3_metrics_are_never_negative_for_tiny_log_ratios():
     assert rollout_mismatch(old, samp, mask)["mismatch/k3"] >= 0
     _, metrics = policy_loss(old.clone(), samp, torch.tensor([1.0, -1.0]), mask)
     assert metrics["kl_old/k3"] >= 0
+    # the KL term: with A = 0 the per-token loss is beta * k3(ref - logp), each >= 0
+    loss, _ = policy_loss(old.clone(), old, torch.zeros(2), mask, beta=0.1, ref=-samp)
+    assert (loss >= 0).all(), loss

@@ -311,6 +311,17 @@ def test_trls_dtype_auto_trains_in_the_checkpoints_dtype(qwen_dir, gsm8k_file, t
     assert json.loads((run / "checkpoint-1" / "model" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
+def test_dtype_auto_without_a_dtype_in_config_json_takes_the_weights_as_transformers_does(hf_checkpoint, tmp_path):
+    from rlcore.checkpoint import resolve_dtype
+
+    _, hf = hf_checkpoint("qwen2")
+    path = tmp_path / "bf16"
+    hf.to(torch.bfloat16).save_pretrained(path, max_shard_size="50KB")
+    rewrite_config(path, drop=["torch_dtype", "dtype"])
+    assert transformers.AutoModelForCausalLM.from_pretrained(path, dtype="auto").dtype == torch.bfloat16
+    assert resolve_dtype("auto", path) == "bfloat16"  # was float32
+
+
 @pytest.mark.parametrize("stored, want", [("float32", "float32"), ("bfloat16", "bfloat16"), (None, "float32"),
                                           ("float16", "does not train in")])
 def test_resolve_dtype_reads_the_checkpoints_config(stored, want, hf_checkpoint):

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence, Set
 import torch
 from torch import Tensor
 
+FLOAT32_MAX = torch.finfo(torch.float32).max  # rewards are stored as float32
 SCALE_REWARDS = {"group": "group", True: "group", "batch": "batch", "none": "none", False: "none"}
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
@@ -33,7 +34,7 @@ def score_completions(
     log_metric, log_extra); a function without **kwargs gets only the arguments it names. An
     async function is awaited. It must return one number (bools count as 0/1) or None per
     completion, as a list, tuple, numpy array or 1-D tensor; NaN counts as None (TRL turns None
-    into NaN), an infinite score is an error. A function that raises is re-run
+    into NaN); an infinite score, or one past float32's range, is an error. A function that raises is re-run
     one sample at a time to name the offending sample; with on_error="none" the failing samples
     score None instead. A function whose signature cannot take these arguments is an error
     either way.
@@ -119,11 +120,11 @@ def _check_scores(name: str, values, n: int, completions: list | None = None) ->
         if value is not None and not isinstance(value, numbers.Real):
             raise TypeError(f"reward function {name} returned {value!r} ({type(value).__name__}) "
                             f"for sample {i}; expected a float or None")
-        if value is not None and math.isinf(value):
+        if value is not None and not math.isnan(value) and abs(value) > FLOAT32_MAX:
             sample = "" if completions is None else f" (completion={_short(completions[i])})"
             raise ValueError(f"reward function {name} returned {value} for sample {i}{sample}; scores must be "
-                             f"finite (an infinite reward zeroes its whole group's advantages): return None "
-                             f"where a completion cannot be scored")
+                             f"finite in float32, |score| <= {FLOAT32_MAX:.3g} (an infinite reward zeroes its "
+                             f"whole group's advantages): return None where a completion cannot be scored")
     return values
 
 
