@@ -46,7 +46,7 @@ class ModelArgs:
     path: str = ""
     """Hugging Face checkpoint dir (config.json, *.safetensors, tokenizer); "" or "embedded" = the embedded tiny model"""
     dtype: Literal["float32", "bfloat16", "auto"] = "float32"
-    """dtype the policy (and reference) weights are stored and updated in ('auto': the checkpoint's); for mixed precision keep float32 and set train.bf16"""
+    """dtype of the policy's (and reference's) weights; 'auto' = the checkpoint's; for mixed precision: train.bf16"""
     ref_path: str | None = None
     """checkpoint for the reference model (read only when loss.beta != 0); None = the initial policy"""
 
@@ -210,7 +210,7 @@ class TrainArgs:
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this (0.0 = no clipping)"""
     seed: int = 42
-    """seed for the batch order, dropout-free init of new weights, and (by default) sampling"""
+    """seed for the prompt order, the micro-batch shuffle and (by default) sampling"""
     bf16: bool = False
     """bfloat16 autocast for the training forward passes and a bf16 rollout (GPU; on CPU it pays only with AMX)"""
     gradient_checkpointing: bool = False
@@ -218,7 +218,7 @@ class TrainArgs:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """where to run; auto = cuda when available"""
     output_dir: str = "runs/rlcore"
-    """directory for metrics, checkpoints and the resolved config; "{time}" becomes the start time"""
+    """directory for metrics, checkpoints and the resolved config; "{time}" becomes the start time (with rlcore train)"""
     logging_steps: int = 1
     """print a progress line every this many optimizer steps, and at the first and last (metrics.jsonl gets every step)"""
     log_completions: bool = False
@@ -226,7 +226,7 @@ class TrainArgs:
     num_completions_to_print: int | None = None
     """completions of each round log_completions prints (None = all, as TRL)"""
     eval_steps: int = 0
-    """evaluate on the held-out set every this many optimizer steps (0 = only at the end)"""
+    """held-out evaluation every this many steps, at round ends (0 = only before and after training)"""
     save_steps: int = 0
     """save a checkpoint every this many optimizer steps (0 = only at the end)"""
     save_total_limit: int | None = 2

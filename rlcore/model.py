@@ -5,7 +5,7 @@ One module covers all three; they differ only in a few switches read from `confi
 | family | q/k/v bias | o bias | q/k RMSNorm | head_dim |
 |--------|------------|--------|-------------|----------|
 | llama  | attention_bias | attention_bias | no | hidden/heads unless given |
-| qwen2  | yes        | no     | no          | hidden/heads |
+| qwen2  | yes        | no     | no          | hidden/heads unless given |
 | qwen3  | attention_bias | attention_bias | yes (per head) | explicit (default 128) |
 
 Parameter names match Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...) so a

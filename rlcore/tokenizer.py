@@ -76,8 +76,8 @@ def checkpoint_dir_problem(path: Path) -> str | None:
     problem = "is a file, not a checkpoint directory" if path.exists() else "checkpoint directory not found"
     hint = ""
     if not path.exists() and not path.is_absolute() and len(path.parts) == 2:  # reads like a hub id, org/name
-        hint = (f"; rlcore never downloads: fetch it first, e.g. huggingface-cli download {path.as_posix()} "
-                f"--local-dir ckpt/{path.name}, then give that directory")
+        hint = (f"; rlcore never downloads: fetch it first, e.g. hf download {path.as_posix()} --local-dir "
+                f"ckpt/{path.name} (huggingface-cli download with huggingface_hub < 1.0), then give that directory")
     return (f"{path}: {problem}; give a Hugging Face checkpoint directory (config.json, *.safetensors, "
             f"tokenizer.json){hint}")
 

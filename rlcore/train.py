@@ -1,7 +1,7 @@
 """The GRPO training loop: one function, read top to bottom.
 
     for each round:
-        rollout      G completions for each of b*S/G prompts        (rlcore.rollout)
+        rollout      G completions for each of b*S*P/G prompts      (rlcore.rollout)
         rewards      reward functions -> R[N, F]                       (rlcore.rewards)
         advantages   group-normalised, over the whole round            (rlcore.losses.advantages)
         old / ref    log-probs under no_grad, only when needed          (SPEC 1)

@@ -480,7 +480,7 @@ def test_a_path_that_is_not_a_directory_is_named(tmp_path, kind):
 def test_a_missing_path_that_reads_like_a_hub_id_says_rlcore_never_downloads(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"Qwen/Qwen2\.5-0\.5B: checkpoint directory not found; .*rlcore never "
-                                                r"downloads: fetch it first, e\.g\. huggingface-cli download "
+                                                r"downloads: fetch it first, e\.g\. hf download "
                                                 r"Qwen/Qwen2\.5-0\.5B --local-dir ckpt/Qwen2\.5-0\.5B"):
         Tokenizer.from_dir(Path("Qwen/Qwen2.5-0.5B"))
 

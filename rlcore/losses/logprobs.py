@@ -11,9 +11,9 @@ per chunk costs page faults on CPU). Backward needs d logp / d logits = onehot(t
 per chunk (and, when the entropy is in the loss, d H / d logits = -q * (log q + H)), and
 `recompute` picks how it gets the softmax:
 
-- recompute=True: forward saves only the [N] log-sum-exp (O(N) extra memory) and backward
-  recomputes each chunk's logits: one more [chunk, H] x [H, V] matmul per chunk, a quarter of
-  the matmul FLOPs of forward + backward.
+- recompute=True: forward saves the inputs and the [N] log-sum-exp and entropy (O(N) extra
+  memory) and backward recomputes each chunk's logits: one more [chunk, H] x [H, V] matmul per
+  chunk, a quarter of the matmul FLOPs of forward + backward.
 - recompute=False: forward saves the [N, V] softmax in the compute dtype (fp32: 262 MB for
   2048 tokens and a 32000 vocabulary) and backward skips that matmul.
 - recompute=None (default): save when the softmax takes at most SAVE_PROBS_MAX_BYTES, else

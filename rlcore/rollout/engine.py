@@ -1,7 +1,7 @@
 """The rollout engine: G sampled completions per prompt in one batched, cached decoding run.
 
     prefill          each distinct prompt once, left-padded so every prompt ends at slot T-1
-    expand           copy each prompt's keys/values to its G rows of the static cache
+    (expand)         copy each prompt's keys/values to its G rows of the static cache (in generate)
     decode_one_token all unfinished rows together, one token per step (on CPU: `PackedDecoder`,
                      the same step from weights laid out once per rollout, see packed.py)
     generate         the loop: sample, record, stop rows, compact the batch, repeat

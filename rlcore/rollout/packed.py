@@ -20,7 +20,8 @@ ordinary matmul on the unpacked weights, slower than packing for that count (ben
 25-26 / 19-20 ms packed for each), so the engine calls `repack` after it drops finished rows.
 
 Measured on this project's 2-core CPU (benchmark model, 64 rows, 131 cached slots): 43-48 ms
-per step against 54-60 ms through the `nn.Module` forward (see bench/rollout.py).
+per step against 54-60 ms through the `nn.Module` forward (a throwaway per-step timing on
+bench/rollout.py's model; the bench itself prints whole-rollout tokens/s).
 """
 
 from __future__ import annotations
