@@ -15,6 +15,7 @@ Defaults that depend on another field are filled in when the config is built (as
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import difflib
 import inspect
@@ -354,6 +355,21 @@ def _toml_value(v) -> str:
 def _toml_string(s: str) -> str:
     escapes = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
     return '"' + "".join(escapes.get(c, c if c.isprintable() else f"\\u{ord(c):04x}") for c in s) + '"'
+
+
+PATH_OPTIONS = (("model", "path"), ("model", "ref_path"), ("data", "path"), ("data", "eval_path"))
+"""The options that name files or directories (relative ones are taken from the current directory)."""
+
+
+def with_absolute_paths(config: Config) -> Config:
+    """A copy of `config` with the PATH_OPTIONS that are set made absolute (the embedded model's
+    "" / "embedded" stay): what a run directory records, so a --resume from elsewhere finds them."""
+    config = copy.deepcopy(config)
+    for section, key in PATH_OPTIONS:
+        value = getattr(getattr(config, section), key)
+        if value not in (None, "", "embedded"):
+            setattr(getattr(config, section), key, str(Path(value).resolve()))
+    return config
 
 
 def recorded_model_path(config_toml: Path) -> str | None:

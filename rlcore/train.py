@@ -19,7 +19,6 @@ optimizer, schedule, models, the resume check, evaluation); none of them decides
 
 from __future__ import annotations
 
-import copy
 import ctypes
 import json
 import math
@@ -34,7 +33,7 @@ import torch
 from rlcore.checkpoint import (checkpoint_step, latest_checkpoint, load_model, load_trainer_state, resolve_dtype,
                                save_checkpoint)
 from rlcore.config import (Config, dump_config, epoch_steps, generation_steps, recorded_model_path, validate,
-                           warn_bf16_weights)
+                           warn_bf16_weights, with_absolute_paths)
 from rlcore import distributed
 from rlcore.data import encode_prompts, load_examples
 from rlcore.embedded import build_embedded_model
@@ -287,10 +286,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                          f"number above {done})")
     if main:  # every input loaded and checked: a bad one leaves no run directory behind
         run.mkdir(parents=True, exist_ok=True)
-        recorded = copy.deepcopy(cfg)
-        if cfg.model.path not in ("", "embedded"):  # absolute: a --resume from another directory finds it
-            recorded.model.path = str(Path(cfg.model.path).resolve())
-        (run / "config.toml.tmp").write_text(dump_config(recorded))
+        # with absolute paths, so a --resume from another directory finds the model and data
+        (run / "config.toml.tmp").write_text(dump_config(with_absolute_paths(cfg)))
         os.replace(run / "config.toml.tmp", run / "config.toml")  # a crash leaves the previous one
 
     opt = adamw(model, t)

@@ -661,3 +661,16 @@ def test_epsilon_zero_is_one_error_not_also_epsilon_highs_derived_from_it():
     assert "loss.epsilon = 0" in str(e.value) and "epsilon_high" not in str(e.value)
     with pytest.raises(ConfigError, match=r"loss.epsilon_high = 0.0 must be > 0"):
         load_config(None, ["loss.epsilon_high=0"])
+
+
+def test_with_absolute_paths_makes_the_set_path_options_absolute_and_leaves_the_rest(tmp_path, monkeypatch):
+    from rlcore.config import with_absolute_paths
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ["model.path=ckpt/qwen", "data.task=jsonl", "data.path=data/train.jsonl"])
+    recorded = with_absolute_paths(cfg)
+    assert recorded.model.path == str(tmp_path / "ckpt" / "qwen")
+    assert recorded.data.path == str(tmp_path / "data" / "train.jsonl")
+    assert recorded.model.ref_path is None and recorded.data.eval_path is None
+    assert cfg.model.path == "ckpt/qwen" and dataclasses.replace(recorded.model, path="ckpt/qwen") == cfg.model
+    assert with_absolute_paths(load_config(None, [])).model.path == ""  # the embedded model stays
