@@ -299,7 +299,7 @@ def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep
         f.flush()
         os.fsync(f.fileno())
     os.replace(run / "latest.tmp", run / "latest")
-    old = sorted((p for p in run.glob("checkpoint-*") if p != final), key=checkpoint_step)
+    old = [p for p in checkpoints(run) if p != final]
     for p in old[:max(0, len(old) - keep + 1)] if keep is not None else []:
         shutil.rmtree(p, ignore_errors=True)
     return final
@@ -310,14 +310,19 @@ def checkpoint_step(ck: Path) -> int:
     return int(ck.name.removeprefix("checkpoint-"))
 
 
+def checkpoints(run: Path) -> list[Path]:
+    """The run's `checkpoint-<step>` directories, oldest first (saves in progress are `.checkpoint-*`)."""
+    return sorted((p for p in run.glob("checkpoint-*") if p.name.removeprefix("checkpoint-").isdigit()),
+                  key=checkpoint_step)
+
+
 def latest_checkpoint(run: Path) -> Path:
     ptr = run / "latest"
     if not ptr.is_file():
         raise FileNotFoundError(f"{run}: no `latest` file; nothing to resume (was a checkpoint saved?)")
     ck = run / ptr.read_text().strip()
     if not (ck / "trainer_state.pt").is_file():
-        others = sorted((p for p in run.glob("checkpoint-*") if p.name.removeprefix("checkpoint-").isdigit()
-                         and (p / "trainer_state.pt").is_file()), key=checkpoint_step)
+        others = [p for p in checkpoints(run) if (p / "trainer_state.pt").is_file()]
         fix = (f"; the run directory keeps {others[-1].name}: write its name into {ptr} to resume from it"
                if others else "")
         raise FileNotFoundError(f"{ck}: checkpoint named by {ptr} is " +

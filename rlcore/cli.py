@@ -48,13 +48,18 @@ def plot_metrics(run_dir: Path) -> str:
     return f"plot: {run_dir / 'curve.png'}"
 
 
+def launch_rank() -> int:
+    """This process's rank as torchrun sets it (0 without torchrun): rank 0 alone prints."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def plain_warnings(message, category, filename, lineno, file=None, line=None, *, shown: set,
                    _default=warnings.showwarning):
     """rlcore's own warnings (RlcoreWarning) as one `rlcore: warning:` line, each once (the config
     is checked when it is loaded and again when the run starts), from rank 0 only under torchrun;
     any other warning as Python shows it."""
     if issubclass(category, RlcoreWarning):
-        if int(os.environ.get("RANK", "0")) == 0 and str(message) not in shown:
+        if launch_rank() == 0 and str(message) not in shown:
             shown.add(str(message))
             print(f"rlcore: warning: {message}", file=sys.stderr if file is None else file)
         return
@@ -128,7 +133,7 @@ def run_command(argv: list[str] | None = None) -> int:
         print(f"rlcore: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C (one process; torchrun stops its workers with SIGTERM instead)
-        if int(os.environ.get("RANK", "0")) != 0:
+        if launch_rank() != 0:
             return 130
         kept = (run / "latest").read_text().strip() if (run / "latest").is_file() else None
         print("\nrlcore: interrupted; " + (f"{run} keeps {kept}: continue with rlcore train --resume {run}" if kept
@@ -136,7 +141,7 @@ def run_command(argv: list[str] | None = None) -> int:
         return 130
     finally:
         distributed.close()  # under torchrun: before exit, not in the interpreter's teardown
-    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports
+    if launch_rank() != 0:  # under torchrun, rank 0 reports
         return 0
     print(f"run directory: {run}  ({time.time() - t0:.0f}s)")
     print(plot_metrics(run))

@@ -436,17 +436,18 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                     shared = SharedPrompts.build(model, ids[group], attn[group], Lp, amp, max_prompts=b)
                 logp, entropy = completion_logprobs(model, ids[r], attn[r], Lp, cids[r], rc.temperature, amp,
                                                     shared)  # entropy is differentiable: the bonus below
+                # the entropy mask (an all-gather under torchrun), once for the loss and the bonus
+                keep = None if lc.top_entropy_quantile == 1.0 else \
+                    entropy_mask(entropy.detach(), mask[r], lc.top_entropy_quantile)
                 l, m = policy_loss(
                     logp, logp.detach() if old is None else old[r], adv[r], mask[r],
                     ref=None if ref_lp is None else ref_lp[r], tis_weights=None if tis is None else tis[r],
-                    entropy=entropy.detach(), samp=samp[r], **loss_options)
+                    entropy=entropy.detach(), entropy_keep=keep, samp=samp[r], **loss_options)
                 loss = aggregate_loss(l, mask[r], lc.loss_type, gradient_accumulation_steps=GA,
                                       max_completion_length=rc.max_completion_length,
                                       step_tokens=step_tokens, world_size=world)
                 if bonus.enabled:  # loss.entropy_coef: over the tokens the policy loss trains on
-                    on = mask[r] if lc.top_entropy_quantile == 1.0 else \
-                        entropy_mask(entropy.detach(), mask[r], lc.top_entropy_quantile)
-                    loss = loss - bonus.term(entropy, on, GA)
+                    loss = loss - bonus.term(entropy, mask[r] if keep is None else keep, GA)
                 loss.backward()
                 if not mismatch:
                     m.update(rollout_mismatch(logp.detach(), samp[r], mask[r]))  # its `tokens` = m's

@@ -284,7 +284,7 @@ def test_missing_shard_named(hf_checkpoint, tmp_path):
 def test_latest_naming_a_missing_checkpoint_says_missing_and_names_the_one_kept(tmp_path):
     from rlcore.checkpoint import latest_checkpoint
 
-    for name in ("checkpoint-2", "checkpoint-10", "checkpoint-12.tmp"):  # .tmp: a save that never finished
+    for name in ("checkpoint-2", "checkpoint-10", "checkpoint-12.tmp"):  # the last is no checkpoint name
         (tmp_path / name).mkdir()
         (tmp_path / name / "trainer_state.pt").write_bytes(b"")
     (tmp_path / "latest").write_text("checkpoint-14")

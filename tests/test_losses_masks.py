@@ -50,6 +50,11 @@ def test_entropy_mask_scales_only_the_policy_term_and_keeps_denominators():
     assert_close(per_token[0, :5], want)
     assert bnpo(per_token, VALID).item() == pytest.approx(sum(want) / 5)  # 5 valid tokens, not 2
     assert metrics["entropy_mask/kept"].item() == pytest.approx(2 / 5)
+    # a caller that computed the mask already (the loop: once for the loss and the entropy bonus)
+    keep = torch.tensor([[0.0, 0.0, 1.0, 0.0, 1.0, 0.0]], dtype=torch.float64)
+    given, _ = policy_loss(logp, torch.zeros_like(logp), adv, VALID, ref=ref, beta=0.1,
+                           top_entropy_quantile=0.4, entropy_keep=keep)
+    assert_close(given[0, :5], want)
 
 
 def _entropy_mask_on_rank(rank, init_file, out_dir):

@@ -266,7 +266,7 @@ def test_policy_loss_options_fill_every_option_of_policy_loss():
     from rlcore.config import LossArgs
     from rlcore.losses.policy import policy_loss
 
-    tensors = {"logp", "old", "advantages", "mask", "ref", "tis_weights", "entropy", "samp"}  # per micro-batch
+    tensors = {"logp", "old", "advantages", "mask", "ref", "tis_weights", "entropy", "entropy_keep", "samp"}
     options = sorted(set(inspect.signature(policy_loss).parameters) - tensors)
     field = {"loss": "policy_loss"}  # the keyword whose config field has another name
     distinct = {field.get(k, k): f"value of {k}" for k in options}  # a swap of two fields shows

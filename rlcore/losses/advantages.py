@@ -34,9 +34,9 @@ def score_completions(
     log_metric, log_extra); a function without **kwargs gets only the arguments it names. An
     async function is awaited. It must return one number (bools count as 0/1) or None per
     completion, as a list, tuple, numpy array or 1-D tensor; NaN counts as None (TRL turns None
-    into NaN); an infinite score, or one past float32's range, is an error. A function that raises is re-run
-    one sample at a time to name the offending sample; with on_error="none" the failing samples
-    score None instead. A function whose signature cannot take these arguments is an error
+    into NaN); an infinite score, or one past float32's range, is an error. A function that
+    raises is re-run one sample at a time to name the offending sample; with on_error="none" the
+    failing samples score None instead. A function whose signature cannot take these arguments is an error
     either way.
     """
     if on_error not in ("raise", "none"):

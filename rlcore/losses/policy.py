@@ -190,6 +190,7 @@ def policy_loss(
     tis_weights: Tensor | None = None,
     entropy: Tensor | None = None,
     top_entropy_quantile: float = 1.0,
+    entropy_keep: Tensor | None = None,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
     samp: Tensor | None = None,
@@ -204,7 +205,8 @@ def policy_loss(
     logp [B, T] current policy (with grad), old [B, T] pi_old (no grad; logp.detach() on-policy),
     advantages [B], mask [B, T], ref [B, T] reference log-probs (needed when beta != 0),
     tis_weights [B, T] or [B, 1] from `tis_weights`, entropy [B, T] of the current policy
-    (needed when top_entropy_quantile < 1), samp [B, T] the rollout engine's log-probs (needed
+    (needed when top_entropy_quantile < 1, unless entropy_keep [B, T] gives the caller's
+    `entropy_mask(entropy, mask, top_entropy_quantile)` already), samp [B, T] the rollout engine's log-probs (needed
     with off_policy_mask_threshold). epsilon_high defaults to epsilon; for cispo it is
     an absolute cap on the ratio (recommended 5.0). use_bias_correction_kl multiplies the KL
     term by the ratio (TRL's option of that name). Option names and risky combinations are
@@ -219,7 +221,7 @@ def policy_loss(
         raise ValueError(f"unknown loss {loss!r}; valid: {', '.join(LOSSES)}")
     if beta != 0.0 and ref is None:
         raise ValueError(f"beta={beta} needs ref, the reference policy's log-probs [B, T]")
-    if top_entropy_quantile < 1.0 and entropy is None:
+    if top_entropy_quantile < 1.0 and entropy is None and entropy_keep is None:
         raise ValueError(f"top_entropy_quantile={top_entropy_quantile} needs entropy [B, T]")
     if off_policy_mask_threshold is not None and samp is None:
         raise ValueError(f"off_policy_mask_threshold={off_policy_mask_threshold} needs samp [B, T]")
@@ -263,7 +265,7 @@ def policy_loss(
         opm = off_policy_mask(advantages.to(logp.dtype), logp.detach(), samp, mask, off_policy_mask_threshold)
         l_pg = l_pg * opm
     if top_entropy_quantile < 1.0:
-        kept = entropy_mask(entropy, mask, top_entropy_quantile)
+        kept = entropy_mask(entropy, mask, top_entropy_quantile) if entropy_keep is None else entropy_keep
         l_pg = l_pg * kept
     # 3. Rollout importance-sampling correction (after clipping and the entropy mask); VESPO's
     # weight already holds it.
