@@ -535,4 +535,5 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                      rank=rank, world=world, device=device)
     if main:
         record_eval(run, step, after)
+    distributed.barrier(world)  # the ranks leave together, so none tears its process group down under another
     return {"before": before, "after": after, "run_dir": str(run)}
