@@ -313,8 +313,6 @@ class Config:
                         raise ConfigError(text)
                     warnings.warn(text, RlcoreWarning, stacklevel=3)
                     continue
-                if name == "loss" and key == "loss_type" and value in trl_options.LOSS_TYPES:
-                    raise ConfigError(f"loss.loss_type = {value!r} is TRL's name for {trl_options.LOSS_TYPES[value]}")
                 kwargs[key] = _check_type(f"{name}.{key}", value, hints[key])
             sections[name] = section_cls(**kwargs)
         return cls(**sections)
@@ -409,11 +407,14 @@ def load_config(path: str | None = None, overrides: list[str] = (), world_size: 
         except OSError as e:
             raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
     d = normalize(d)
-    given = set()
+    layer = {}
     for item in overrides:
         section, key, value = parse_override(item)
-        d.setdefault(section, {})[key] = value
-        given.add((section, key))
+        layer.setdefault(section, {})[key] = value
+    given = {(section, key) for section, values in layer.items() for key in values}
+    _expand_trl_loss_type(layer)  # --set loss_type=cispo sets policy_loss too, over the file's
+    for section, values in layer.items():
+        d.setdefault(section, {}).update(values)
     if ("train", "num_train_epochs") in given and ("train", "max_steps") not in given:
         d["train"]["max_steps"] = -1  # the overrides mean the epochs, whatever the file's max_steps
     config = Config.from_dict(d)
@@ -469,7 +470,24 @@ def normalize(d: dict) -> dict:
                               f"[{section}] ({name} = {out[section][name]!r}); keep one")
         out.setdefault(section, {})[name] = value
     _expand_trl_tables(out)
+    _expand_trl_loss_type(out)
     return out
+
+
+def _expand_trl_loss_type(layer: dict) -> None:
+    """TRL's loss_type = 'cispo' / 'sapo' / 'vespo' names a policy loss and, implicitly, TRL's
+    aggregation of it: one config layer (a file, or the --set overrides) that gives it sets
+    loss.policy_loss and loss.loss_type, as TRL would compute that loss."""
+    loss = layer.get("loss", {})
+    name = loss.get("loss_type")
+    if not isinstance(name, str) or name not in trl_options.LOSS_TYPES:
+        return
+    policy, aggregation = trl_options.LOSS_TYPES[name]
+    if loss.get("policy_loss", policy) != policy:
+        raise ConfigError(f"loss.loss_type = {name!r} (TRL's name for loss.policy_loss = {policy!r} with "
+                          f"loss.loss_type = {aggregation!r}) and loss.policy_loss = {loss['policy_loss']!r} "
+                          f"disagree; keep one")
+    loss["policy_loss"], loss["loss_type"] = policy, aggregation
 
 
 def _expand_trl_tables(out: dict) -> None:

@@ -146,12 +146,9 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
 }
 """Other `vllm_*` names (server, memory, parallelism settings) are dropped as well: rlcore has no vLLM."""
 
-# TRL loss_type values that are a policy loss in rlcore (loss.policy_loss), or not in rlcore
-LOSS_TYPES = {
-    "cispo": "loss.policy_loss = 'cispo' with loss.loss_type = 'dapo' (TRL aggregates cispo as dapo)",
-    "sapo": "loss.policy_loss = 'sapo' with loss.loss_type = 'grpo' (TRL aggregates sapo as grpo)",
-    "vespo": "loss.policy_loss = 'vespo' with loss.loss_type = 'dapo' (TRL aggregates vespo as dapo)",
-}
+# TRL loss_type values that are a policy loss in rlcore: (loss.policy_loss, loss.loss_type), the
+# latter being how TRL aggregates that loss. A config layer that sets one sets both.
+LOSS_TYPES = {"cispo": ("cispo", "dapo"), "sapo": ("sapo", "grpo"), "vespo": ("vespo", "dapo")}
 
 
 def explain(key: str, value) -> tuple[bool, str] | None:

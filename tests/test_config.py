@@ -236,9 +236,9 @@ def test_a_trl_config_loads_and_says_what_it_ignores(tmp_path):
     ("generation_kwargs = {num_beams = 3}", r"generation_kwargs key 'num_beams' \(= 3\) has no rlcore equivalent; "
                                             r"rlcore's rollout takes temperature, top_p"),
     ("[train]\nuse_cpu = true", r"set train\.device = 'cpu'"),
-    ("loss_type = 'cispo'", r"loss_type = 'cispo' is TRL's name for loss\.policy_loss = 'cispo' with loss\.loss_type = 'dapo'"),
-    ("loss_type = 'sapo'", r"loss\.policy_loss = 'sapo' with loss\.loss_type = 'grpo'"),
-    ("loss_type = 'vespo'", r"loss\.policy_loss = 'vespo' with loss\.loss_type = 'dapo'"),
+    ("loss_type = 'cispo'\npolicy_loss = 'sapo'", r"loss\.loss_type = 'cispo' \(TRL's name for loss\.policy_loss = "
+                                                  r"'cispo' with loss\.loss_type = 'dapo'\) and loss\.policy_loss = "
+                                                  r"'sapo' disagree"),
     ("max_steps = 0", r"max_steps = 0 must be >= 1, or -1 to train for train\.num_train_epochs"),
     ("max_steps = -1\nnum_train_epochs = 0", r"train\.num_train_epochs = 0\.0 must be > 0"),
     ("warmup_steps = 0.1\nwarmup_ratio = 0.2", r"warmup_steps = 0\.1 \(a ratio.*warmup_ratio = 0\.2 are both set"),
@@ -251,6 +251,23 @@ def test_a_trl_config_loads_and_says_what_it_ignores(tmp_path):
 def test_a_trl_option_rlcore_cannot_honour_is_an_error_naming_what_to_set(line, fix, tmp_path):
     with pytest.raises(ConfigError, match=fix):
         load_config(write(tmp_path, line + "\n"), [])
+
+
+@pytest.mark.parametrize("name, policy, aggregation", [("cispo", "cispo", "dapo"), ("sapo", "sapo", "grpo"),
+                                                       ("vespo", "vespo", "dapo")])
+def test_trls_policy_loss_types_set_the_policy_loss_and_trls_aggregation_of_it(name, policy, aggregation, tmp_path):
+    """TRL's loss_type names cispo/sapo/vespo a loss and aggregates each one way (its _compute_loss);
+    one config layer that gives it sets both rlcore options, over an earlier layer's."""
+    for where in (f"loss_type = '{name}'\n", f"[loss]\nloss_type = '{name}'\n"):
+        lo = load_config(write(tmp_path, where + "epsilon_high = 5.0\n" * (name == "cispo")), []).loss
+        assert (lo.policy_loss, lo.loss_type) == (policy, aggregation), where
+    lo = load_config(write(tmp_path, "[loss]\npolicy_loss = 'ppo'\nloss_type = 'bnpo'\n"),
+                     [f"loss_type={name}", "epsilon_high=5.0"]).loss
+    assert (lo.policy_loss, lo.loss_type) == (policy, aggregation)
+    lo = load_config(write(tmp_path, f"loss_type = '{name}'\nepsilon_high = 5.0\n"), ["loss.loss_type=bnpo"]).loss
+    assert (lo.policy_loss, lo.loss_type) == (policy, "bnpo")  # a later layer's aggregation wins
+    assert load_config(write(tmp_path, f"loss_type = '{name}'\npolicy_loss = '{policy}'\nepsilon_high = 5.0\n"),
+                       []).loss.policy_loss == policy  # agreeing is fine
 
 
 def test_every_option_of_trl_grpo_config_is_an_rlcore_option_or_explained():
