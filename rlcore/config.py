@@ -819,6 +819,12 @@ def validate(config: Config, world_size: int = 1) -> None:
                       f"{lo.importance_sampling_level!r}: VESPO forms its own sequence weight from the token "
                       f"ratios, so the level only changes the ratio of use_bias_correction_kl; leave it at "
                       f"'token' (TRL warns the same)", RlcoreWarning, stacklevel=2)
+    if lo.policy_loss == "ppo" and lo.delta is not None and 1 < lo.delta <= 1 + lo.epsilon_high:
+        bound = 1 + lo.epsilon_high
+        warnings.warn(f"loss.delta = {lo.delta} <= 1 + loss.epsilon_high = {bound:g}: positive-advantage ratios "
+                      f"are capped at delta, as epsilon_high = {lo.delta - 1:g} would, and negative-advantage ones "
+                      f"are held at the clip bound {bound:g}, not at delta; for a dual clip at delta set it above "
+                      f"{bound:g} (e.g. 4)", RlcoreWarning, stacklevel=2)
     if lo.importance_sampling_level != "token" and lo.loss_type not in ("grpo", "luspo"):
         warnings.warn(f"loss.importance_sampling_level = {lo.importance_sampling_level!r} (GSPO) with loss.loss_type = "
                       f"{lo.loss_type!r}: the GSPO objective is loss_type = 'grpo' (per-sequence mean)",

@@ -2,7 +2,7 @@
 
     for each round:
         rollout      G completions for each of b*S*P/G prompts      (rlcore.rollout)
-        rewards      reward functions -> R[N, F]                       (rlcore.rewards)
+        rewards      reward functions -> R[N, F]      (rlcore.rewards, losses.score_completions)
         advantages   group-normalised, over the whole round            (rlcore.losses.advantages)
         old / ref    log-probs under no_grad, only when needed          (SPEC 1)
         for epoch in range(mu):                                         (mu = num_iterations)
@@ -320,8 +320,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         if lc.use_adaptive_entropy and st.get("entropy_bonus"):  # the controller's state (static: the config's)
             bonus.load_state_dict(st["entropy_bonus"])
         if main:
-            keep = metrics_file.read_text().splitlines()[:step]  # one row per step; later (torn) rows go
-            metrics_file.write_text("".join(ln + "\n" for ln in keep))
+            kept_rows = metrics_file.read_text().splitlines()[:step]  # one row per step; later (torn) rows go
+            metrics_file.write_text("".join(ln + "\n" for ln in kept_rows))
             drop_rows_after(run / "eval.jsonl", step)
             drop_rows_after(run / "completions.jsonl", step)
             print(f"resumed from {ck} at step {step}", flush=True)
@@ -340,9 +340,10 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         t0 = time.time()
         batch = next_prompts(train_set, data_pos, N // G, t.seed)
         data_pos += N // G
+        round_no, round_end = data_pos // (N // G), step + steps_per_round  # a resume may start mid-cycle
         rows = [ex for ex in batch for _ in range(G)][mine]
         model.eval()
-        ro = generate(model, [ex["prompt_ids"] for ex in rows], 1, rc.max_completion_length,
+        ro = generate(model, [ex["prompt_ids"] for ex in rows], 1, rc.max_completion_length,  # rows repeat G times
                       eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id,
                       temperature=rc.temperature, top_k=rc.top_k, top_p=rc.top_p, min_p=rc.min_p,
                       repetition_penalty=rc.repetition_penalty, stop_sequences=stop_sequences, generator=sampler,
@@ -361,7 +362,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         logged = distributed.concat_over_ranks(logged, world)  # every rank's log_metric values
         R = distributed.gather_rows(R.to(device), world)
         if main and R.isnan().all():
-            print(f"warning: no reward function scored any completion of round {step // steps_per_round + 1} "
+            print(f"warning: no reward function scored any completion of round {round_no} "
                   f"(all returned None or NaN), so every advantage is 0 and its steps learn nothing; check "
                   f"loss.reward_funcs and the columns they need (data.answer_column)", flush=True)
         every_adv, reward_stats = compute_advantages(R, G, lc.reward_weights, lc.scale_rewards,
@@ -371,10 +372,11 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         acc = accuracy_fn(prompts=prompts, completions=completions, **values)
         acc = distributed.gather_rows(torch.tensor([a or 0.0 for a in acc], device=device), world)
 
-        # 3. Training tensors: prompt (left-padded) + completion (right-padded).
+        # The round as training tensors: prompt (left-padded) + completion (right-padded).
         ids, attn, cids, mask, Lp = pack(ro.prompt_ids, completion_ids, tok.pad_token_id)
         ids, attn, cids, mask = ids.to(device), attn.to(device), cids.to(device), mask.to(device)
         n = b * S  # this rank's rows
+        # the engine's log-probs before top-k/top-p/min-p filtering, when it kept them: the policy's own (SPEC 4)
         samp = ro.full_logprobs if ro.full_logprobs is not None else ro.sampling_logprobs
         samp = samp[:, :cids.shape[1]].to(device)
         truncated = ro.truncated.to(device)
@@ -397,7 +399,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                                 t.num_completions_to_print)
         t_score = time.time() - t0
 
-        # 4. old log-probs only when the round is off-policy (or TIS needs them); ref only if beta.
+        # 3. old log-probs only when the round is off-policy (or TIS needs them); ref only if beta.
         t0 = time.time()
         model.train()
         old = ref_lp = tis = None
@@ -420,48 +422,52 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
             old = None  # on-policy: old = logp.detach() inside the loop, the ratio is exactly 1
         round_times = {"time/rollout": t_rollout, "time/scoring": t_score, "time/old_logp": t_old}
 
-        # 5. Shuffle once, cut into S micro-batches, replay mu times in the same order.
+        # 4. mu-epoch replay: shuffle once, cut into S micro-batches, replay mu times in the same order.
         perm = torch.randperm(n, generator=shuffler, device=device)
         micro = [perm[k * b:(k + 1) * b] for k in range(S)]
         t_update, step_metrics = time.time(), []
         for epoch in range(mu):
-            for k, r in enumerate(micro):
+            for k, mb in enumerate(micro):  # mb: the micro-batch's rows
                 if k % GA == 0:
-                    group = torch.cat(micro[k:k + GA])
+                    step_rows = torch.cat(micro[k:k + GA])
                     # active tokens of the step (for dapo) and its completion tokens (for tokens/s)
                     step_tokens, step_len = distributed.sum_over_ranks(
-                        [mask[group].sum().item(), lengths[group].sum().item()], world, device)
+                        [mask[step_rows].sum().item(), lengths[step_rows].sum().item()], world, device)
                     # Each distinct prompt of this optimizer step's micro-batches runs forward once
                     # (unless there are more than b of them: then each micro-batch runs its own).
-                    shared = SharedPrompts.build(model, ids[group], attn[group], Lp, amp, max_prompts=b)
-                logp, entropy = completion_logprobs(model, ids[r], attn[r], Lp, cids[r], rc.temperature, amp,
+                    shared = SharedPrompts.build(model, ids[step_rows], attn[step_rows], Lp, amp, max_prompts=b)
+                logp, entropy = completion_logprobs(model, ids[mb], attn[mb], Lp, cids[mb], rc.temperature, amp,
                                                     shared)  # entropy is differentiable: the bonus below
                 # the entropy mask (an all-gather under torchrun), once for the loss and the bonus
-                keep = None if lc.top_entropy_quantile == 1.0 else \
-                    entropy_mask(entropy.detach(), mask[r], lc.top_entropy_quantile)
-                l, m = policy_loss(
-                    logp, logp.detach() if old is None else old[r], adv[r], mask[r],
-                    ref=None if ref_lp is None else ref_lp[r], tis_weights=None if tis is None else tis[r],
-                    entropy=entropy.detach(), entropy_keep=keep, samp=samp[r], **loss_options)
-                loss = aggregate_loss(l, mask[r], lc.loss_type, gradient_accumulation_steps=GA,
+                # 5. Loss: per token (SPEC 3-4), then this micro-batch's share of the step's (SPEC 5).
+                entropy_keep = None if lc.top_entropy_quantile == 1.0 else \
+                    entropy_mask(entropy.detach(), mask[mb], lc.top_entropy_quantile)
+                per_token, diag = policy_loss(
+                    logp, logp.detach() if old is None else old[mb], adv[mb], mask[mb],
+                    ref=None if ref_lp is None else ref_lp[mb], tis_weights=None if tis is None else tis[mb],
+                    entropy=entropy.detach(), entropy_keep=entropy_keep, samp=samp[mb], **loss_options)
+                loss = aggregate_loss(per_token, mask[mb], lc.loss_type, gradient_accumulation_steps=GA,
                                       max_completion_length=rc.max_completion_length,
                                       step_tokens=step_tokens, world_size=world)
                 if bonus.enabled:  # loss.entropy_coef: over the tokens the policy loss trains on
-                    loss = loss - bonus.term(entropy, mask[r] if keep is None else keep, GA)
+                    loss = loss - bonus.term(entropy, mask[mb] if entropy_keep is None else entropy_keep, GA)
                 loss.backward()
                 if not mismatch:
-                    m.update(rollout_mismatch(logp.detach(), samp[r], mask[r]))  # its `tokens` = m's
-                step_metrics.append({"loss": loss.item(), **{k_: float(v) for k_, v in m.items()}})
+                    diag.update(rollout_mismatch(logp.detach(), samp[mb], mask[mb]))  # its `tokens` = diag's
+                step_metrics.append({"loss": loss.item(), **{k_: float(v) for k_, v in diag.items()}})
                 if (k + 1) % GA:
                     continue
 
-                # Optimizer step. A non-finite loss or gradient skips it (and is counted). The
-                # averaged gradient is the same on every rank, so every rank decides the same.
+                # Optimizer step. A non-finite loss (on any rank) or gradient skips it (and is
+                # counted). The averaged gradient and the summed count are the same on every rank,
+                # so every rank decides the same.
                 if shared is not None:
                     shared.backward()  # the prompts' pass, with the gradients its micro-batches left
                 distributed.average_gradients(model, world)
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm or math.inf)
-                finite = math.isfinite(grad_norm.item())
+                bad_losses = sum(not math.isfinite(x["loss"]) for x in step_metrics)
+                finite = math.isfinite(grad_norm.item()) and not distributed.sum_over_ranks([bad_losses], world,
+                                                                                          device)[0]
                 if finite:
                     opt.step()
                     bad_in_row = 0
@@ -482,7 +488,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                 if lc.sync_ref_model and step % lc.ref_model_sync_steps == 0:
                     mix_into(ref, model, lc.ref_model_mixup_alpha)  # TR-DPO; the next round's ref log-probs use it
 
-                # Metrics (SPEC 6): the round's statistics + this step's diagnostics, all ranks. The
+                # 6. Metrics (SPEC 6): the round's statistics + this step's diagnostics, all ranks. The
                 # round's phase times go on its first step (0 on the others), so times sum over steps.
                 t_step = time.time() - t_update
                 met = {"step": step, "epoch": epoch, **round_stats, **reduce_metrics(step_metrics, world, device),
@@ -510,7 +516,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
             if step >= max_steps:
                 break
 
-        # Eval and checkpoint at round boundaries (a checkpoint never holds half a round).
+        # Eval and checkpoint at round boundaries: a checkpoint holds no half round, except the
+        # last one when max_steps ends the run inside a round (the note below says so).
         if t.eval_steps and step % t.eval_steps < steps_per_round and step < max_steps:
             accuracy = evaluate(model, tok, eval_set, accuracy_fn, t.eval_max_completion_length,
                                 rank=rank, world=world, device=device)
@@ -527,7 +534,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                 synced = lc.sync_ref_model and step >= lc.ref_model_sync_steps
                 save_checkpoint(run, step, model, Path(model_dir), state, t.save_total_limit, ref if synced else None)
 
-    if main and step % steps_per_round:
+    if main and step < round_end:
         print(f"note: max_steps={max_steps} ended the run inside a round of {steps_per_round} optimizer "
               f"steps; a --resume with a larger max_steps starts a new round (the rest of this one is "
               f"not replayed)", flush=True)

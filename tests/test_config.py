@@ -637,6 +637,17 @@ def test_cispo_with_epsilon_high_set_does_not_warn():
         load_config(None, ["loss.policy_loss=cispo", "loss.epsilon_high=5.0"])
 
 
+def test_a_delta_that_cannot_dual_clip_warns():
+    with pytest.warns(UserWarning, match=r"loss\.delta = 1\.2 <= 1 \+ loss\.epsilon_high = 1\.28: positive-advantage "
+                                         r"ratios are capped at delta, as epsilon_high = 0\.2 would, and negative-"
+                                         r"advantage ones are held at the clip bound 1\.28, not at delta"):
+        load_config(None, ["loss.delta=1.2", "loss.epsilon_high=0.28"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config(None, ["loss.delta=1.3", "loss.epsilon_high=0.28"])
+        load_config(None, ["loss.delta=1.2", "loss.policy_loss=cispo", "loss.epsilon_high=5.0"])  # ppo's option
+
+
 @pytest.mark.parametrize("level", ["sequence", "sequence_token"])
 def test_gspo_with_token_summing_loss_type_warns(level):
     with pytest.warns(UserWarning, match=rf"'{level}' \(GSPO\).*GSPO objective is loss_type = 'grpo'"):

@@ -104,6 +104,19 @@ def test_delta_caps_the_unclipped_branch_only(delta, want):
     assert metrics["delta_bound"].item() == pytest.approx(2 / 8)
 
 
+def test_a_delta_at_or_below_one_plus_epsilon_high_is_a_smaller_epsilon_high_and_a_dual_clip_at_the_bound():
+    # docs/losses.md, Pitfalls: positive advantages as with epsilon_high = delta - 1, negative
+    # ones as with delta = 1 + epsilon_high; in value and gradient, ratios around every bound
+    logp, old, adv, mask = setup([0.5, 0.9, 1.1, 1.15, 1.25, 1.5, 3.0])
+    for delta in (1.1, 1.28):
+        loss, _ = policy_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=0.28, delta=delta)
+        neg, _ = policy_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=0.28, delta=1 + 0.28)
+        pos, _ = policy_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=delta - 1)
+        want = torch.where(adv[:, None] > 0, pos, neg)
+        assert_close(loss, want)
+        assert_close(grad_of(loss, logp), grad_of(want, logp))
+
+
 # GSPO ------------------------------------------------------------------------------------
 
 def test_sequence_log_weight_is_masked_mean_of_token_log_ratios():
@@ -192,7 +205,9 @@ def test_sapo_soft_gate_value_and_gradient(tau_pos, tau_neg):
     dict(loss="ppo"),
     dict(loss="ppo", epsilon_high=0.28, delta=4.0),
     dict(loss="cispo", epsilon_high=5.0),
+    dict(loss="cispo", epsilon_high=0.2),  # the cap binds at r = 1: 0.2 x REINFORCE
     dict(loss="sapo"),
+    dict(loss="vespo"),
 ])
 def test_on_policy_gradient_is_reinforce_with_baseline(options):
     gen = torch.Generator().manual_seed(0)
@@ -201,8 +216,10 @@ def test_on_policy_gradient_is_reinforce_with_baseline(options):
     loss, metrics = policy_loss(logp, logp.detach(), adv, torch.ones_like(logp), **options)
     # REINFORCE with the group baseline folded into A: grad of -A_i log pi(y_it)
     reinforce = torch.autograd.grad((-adv[:, None] * logp).sum(), logp)[0]
-    assert_close(grad_of(loss, logp), reinforce)
-    assert all(metrics[k].item() == 0.0 for k in metrics if k.startswith("clip_ratio"))
+    scale = min(1.0, options["epsilon_high"]) if options["loss"] == "cispo" else 1.0
+    assert_close(grad_of(loss, logp), scale * reinforce)
+    if scale == 1.0:  # a cispo cap below 1 caps every token: its clip fraction is 1
+        assert all(metrics[k].item() == 0.0 for k in metrics if k.startswith("clip_ratio"))
 
 
 def test_on_policy_ratio_is_exactly_one():

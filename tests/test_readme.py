@@ -20,3 +20,19 @@ def test_docs_spec_is_the_shared_contract_where_that_is_checked_out():
     if not source.is_file():
         pytest.skip(f"{source} is not here to compare with (only the team's workspace has it)")
     assert (ROOT / "docs" / "SPEC.md").read_text() == source.read_text(), f"copy {source} to docs/SPEC.md"
+
+
+def test_readme_tour_steps_are_train_py_numbered_comments_in_order():
+    """The tour's "1. **Rollout.**" .. "6. **Metrics**" are train.py's "# 1. Rollout" .. "# 6. Metrics"."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("## A tour of the loop")
+    tour = readme[start:readme.index("\n## ", start + 1)]
+    steps = re.findall(r"^(\d)\. \*\*([^*.]+)", tour, re.M)
+    code = re.findall(r"^\s+# (\d)\. ", (ROOT / "rlcore" / "train.py").read_text(), re.M)
+    assert [n for n, _ in steps] == code == [str(i) for i in range(1, 7)], (steps, code)
+    # the first word of each tour title is in the comment of the same number
+    comments = dict(re.findall(r"^\s+# (\d)\. (.*)$", (ROOT / "rlcore" / "train.py").read_text(), re.M))
+    for n, title in steps:
+        assert title.split()[0].strip("/").lower() in comments[n].lower(), (n, title, comments[n])

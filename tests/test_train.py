@@ -380,6 +380,11 @@ def test_a_run_ended_inside_a_round_says_so(tmp_path, capsys):
     assert "ended the run inside a round of 2 optimizer steps" in capsys.readouterr().out
     train(config(tmp_path / "whole", "train.max_steps=2", "loss.num_iterations=2"))
     assert "inside a round" not in capsys.readouterr().out
+    # resumed from the cut at step 3, rounds are steps 4-5, 6-7: 5 ends one, 6 does not
+    train(config(tmp_path / "cut", "train.max_steps=5", "loss.num_iterations=2"), resume=tmp_path / "cut")
+    assert "inside a round" not in capsys.readouterr().out
+    train(config(tmp_path / "cut", "train.max_steps=6", "loss.num_iterations=2"), resume=tmp_path / "cut")
+    assert "ended the run inside a round of 2 optimizer steps" in capsys.readouterr().out
 
 
 class Killed(BaseException):
@@ -547,8 +552,9 @@ def test_cli_config_error_exits_2_naming_the_key(override, named, tmp_path, monk
     assert list(tmp_path.iterdir()) == []  # no run directory for a config that cannot run
 
 
-def aggregate_nan_on(monkeypatch, bad_steps):
-    """Make the loss of the listed 1-based optimizer steps NaN (one micro-batch per step here)."""
+def aggregate_nan_on(monkeypatch, bad_steps, gradient_too=True):
+    """Make the loss of the listed 1-based optimizer steps NaN (one micro-batch per step here),
+    and its gradient too, or (gradient_too=False) the loss alone: a NaN constant added."""
     import rlcore.train
 
     real, calls = rlcore.train.aggregate_loss, []
@@ -556,12 +562,15 @@ def aggregate_nan_on(monkeypatch, bad_steps):
     def aggregate(*args, **kwargs):
         calls.append(None)
         loss = real(*args, **kwargs)
-        return loss * math.nan if len(calls) in bad_steps else loss
+        if len(calls) not in bad_steps:
+            return loss
+        return loss * math.nan if gradient_too else loss + torch.tensor(math.nan)
 
     monkeypatch.setattr(rlcore.train, "aggregate_loss", aggregate)
 
 
-def test_nonfinite_loss_skips_the_step_and_is_counted(tmp_path, monkeypatch):
+@pytest.mark.parametrize("gradient_too", [True, False])
+def test_nonfinite_loss_skips_the_step_and_is_counted(gradient_too, tmp_path, monkeypatch):
     import rlcore.train
 
     snapshots, real = {}, rlcore.train.save_checkpoint
@@ -571,7 +580,7 @@ def test_nonfinite_loss_skips_the_step_and_is_counted(tmp_path, monkeypatch):
         return real(run, step, model, *args, **kwargs)
 
     monkeypatch.setattr(rlcore.train, "save_checkpoint", save_and_snapshot)
-    aggregate_nan_on(monkeypatch, {2})
+    aggregate_nan_on(monkeypatch, {2}, gradient_too)
     run = tmp_path / "run"
     train(config(run, "train.max_steps=3", "train.save_steps=1"))
     got = rows(run)
