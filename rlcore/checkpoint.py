@@ -292,7 +292,11 @@ def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep
         save_model(ref, tmp / "ref_model")
     torch.save(state, tmp / "trainer_state.pt")
     fsync_dir(tmp)
-    shutil.rmtree(final, ignore_errors=True)
+    if final.exists():  # a crashed attempt's save of this step (rlcore's), or someone else's directory
+        if not (final / "trainer_state.pt").is_file():
+            raise FileExistsError(f"{final} exists and is not an rlcore checkpoint (no trainer_state.pt); "
+                                  f"move it out of the run directory {run}")
+        shutil.rmtree(final)
     os.rename(tmp, final)
     with open(run / "latest.tmp", "w") as f:
         f.write(final.name)
@@ -311,8 +315,10 @@ def checkpoint_step(ck: Path) -> int:
 
 
 def checkpoints(run: Path) -> list[Path]:
-    """The run's `checkpoint-<step>` directories, oldest first (saves in progress are `.checkpoint-*`)."""
-    return sorted((p for p in run.glob("checkpoint-*") if p.name.removeprefix("checkpoint-").isdigit()),
+    """The run's `checkpoint-<step>` directories, oldest first (saves in progress are `.checkpoint-*`).
+    Only rlcore's (with trainer_state.pt): rotation never deletes a Trainer's or a user's directory."""
+    return sorted((p for p in run.glob("checkpoint-*")
+                   if p.name.removeprefix("checkpoint-").isdigit() and (p / "trainer_state.pt").is_file()),
                   key=checkpoint_step)
 
 
@@ -322,7 +328,7 @@ def latest_checkpoint(run: Path) -> Path:
         raise FileNotFoundError(f"{run}: no `latest` file; nothing to resume (was a checkpoint saved?)")
     ck = run / ptr.read_text().strip()
     if not (ck / "trainer_state.pt").is_file():
-        others = [p for p in checkpoints(run) if (p / "trainer_state.pt").is_file()]
+        others = checkpoints(run)
         fix = (f"; the run directory keeps {others[-1].name}: write its name into {ptr} to resume from it"
                if others else "")
         raise FileNotFoundError(f"{ck}: checkpoint named by {ptr} is " +

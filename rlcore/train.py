@@ -130,6 +130,37 @@ def policy_loss_options(lc) -> dict:
         vespo_lambda_neg=lc.vespo_lambda_neg)
 
 
+RUN_FILES = ("config.toml", "metrics.jsonl", "eval.jsonl", "completions.jsonl", "curve.png", "config.toml.tmp",
+             "latest.tmp")
+"""What a run directory holds besides its checkpoints: a crashed first attempt may leave them."""
+
+
+def check_new_run_dir(run: Path) -> None:
+    """A new run writes into train.output_dir and deletes its own older checkpoints: the directory
+    must be new, or hold no more than a run that crashed before its first checkpoint."""
+    existing = run
+    while not existing.exists():  # the nearest existing ancestor: the run directory is created under it
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == run else f"is inside {existing}, which is a file"
+        raise NotADirectoryError(f"train.output_dir = {run} {what}; choose a directory (it is created)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f"train.output_dir = {run}: {existing} is not writable; choose a directory you can "
+                              f"write to")
+    if existing != run:
+        return
+    if (run / "latest").exists():
+        raise FileExistsError(f"{run} already holds checkpoints; continue it with --resume {run}, "
+                              "or choose a new train.output_dir (nothing is overwritten)")
+    others = sorted(p.name for p in run.iterdir()
+                    if p.name not in RUN_FILES and not (p.name.startswith(".checkpoint-") and p.name.endswith(".tmp")))
+    if others:
+        listed = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise FileExistsError(f"train.output_dir = {run} already holds files that are not an rlcore run's ({listed}); "
+                              f"a run writes config.toml, metrics.jsonl and checkpoint-<step>/ there and deletes its "
+                              f"older checkpoints: choose a new or empty train.output_dir (nothing was written)")
+
+
 def check_resumed_model(run: Path, cfg: Config) -> None:
     """A resumed run keeps the model.path it started from (its config.toml's), and needs it: the
     tokenizer, and with beta the reference model, come from there. Another spelling of the same
@@ -230,11 +261,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
     main = rank == 0  # rank 0 alone prints and writes files
     validate(cfg, world_size=world)
     run = Path(resume or t.output_dir)
-    if run.exists() and not run.is_dir():
-        raise NotADirectoryError(f"train.output_dir = {run} is a file; choose a directory (it is created)")
-    if not resume and (run / "latest").exists():
-        raise FileExistsError(f"{run} already holds checkpoints; continue it with --resume {run}, "
-                              "or choose a new train.output_dir (nothing is overwritten)")
+    if not resume:
+        check_new_run_dir(run)
     if resume:
         check_resumed_model(run, cfg)
     torch.manual_seed(t.seed)

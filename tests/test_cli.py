@@ -2,6 +2,7 @@
 messages naming the problem and the fix), --resume's refusals, and `rlcore options`. The runs
 use the embedded model (conftest) and test_train.py's `SMALL` overrides and helpers."""
 
+import os
 import re
 import shutil
 import subprocess
@@ -175,6 +176,53 @@ def test_cli_output_dir_that_is_a_file_is_an_error(tmp_path, capsys):
     assert main(cli_args(tmp_path / "afile", "train.max_steps=1")) == 1
     assert f"train.output_dir = {tmp_path / 'afile'} is a file; choose a directory" in capsys.readouterr().err
     assert (tmp_path / "afile").read_text() == "keep me"
+
+
+def test_cli_output_dir_under_a_file_or_unwritable_is_named_before_anything_loads(tmp_path, capsys):
+    (tmp_path / "afile").write_text("keep me")
+    assert main(cli_args(tmp_path / "afile" / "sub", "train.max_steps=1")) == 1
+    assert f"train.output_dir = {tmp_path / 'afile' / 'sub'} is inside {tmp_path / 'afile'}, which is a file" \
+        in capsys.readouterr().err
+    if os.geteuid() != 0:  # root writes anywhere
+        (tmp_path / "locked").mkdir(mode=0o500)
+        assert main(cli_args(tmp_path / "locked" / "run", "train.max_steps=1")) == 1
+        assert f"{tmp_path / 'locked'} is not writable" in capsys.readouterr().err
+
+
+def test_cli_will_not_train_into_a_directory_of_other_checkpoints(tmp_path, capsys):
+    """Unsloth's and the Trainer's output_dir holds checkpoint-<step>/ directories too; rlcore's
+    rotation must never delete them, nor the model being trained from."""
+    outputs = tmp_path / "outputs"
+    for name in ("checkpoint-500", "checkpoint-1000"):
+        (outputs / name).mkdir(parents=True)
+        (outputs / name / "trainer_state.json").write_text("{}")
+    assert main(cli_args(outputs, "train.max_steps=1")) == 1
+    err = capsys.readouterr().err
+    assert f"train.output_dir = {outputs} already holds files that are not an rlcore run's (checkpoint-1000, " \
+           f"checkpoint-500)" in err and "choose a new or empty train.output_dir" in err
+    assert sorted(p.name for p in outputs.iterdir()) == ["checkpoint-1000", "checkpoint-500"]
+
+
+def test_checkpoint_rotation_deletes_only_rlcore_checkpoints(tmp_path):
+    from rlcore.checkpoint import checkpoints
+
+    run = tmp_path / "run"
+    for step in (1, 2, 3):
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+    (run / "checkpoint-2" / "trainer_state.pt").write_bytes(b"")
+    (run / "checkpoint-3" / "trainer_state.json").write_text("{}")
+    assert checkpoints(run) == [run / "checkpoint-2"]
+
+
+def test_a_save_does_not_replace_a_directory_that_is_not_an_rlcore_checkpoint(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(cli_args(run, "train.max_steps=1")) == 0
+    (run / "checkpoint-2").mkdir()
+    (run / "checkpoint-2" / "notes.txt").write_text("mine")
+    assert main(["train", "--resume", str(run), "--set", "train.max_steps=2"]) == 1
+    assert f"{run / 'checkpoint-2'} exists and is not an rlcore checkpoint" in capsys.readouterr().err
+    assert (run / "checkpoint-2" / "notes.txt").read_text() == "mine"
+    assert (run / "latest").read_text() == "checkpoint-1"
 
 
 def test_cli_resume_from_a_damaged_trainer_state_names_it_and_the_way_back(tmp_path, capsys):
