@@ -287,11 +287,18 @@ def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep
     tmp = run / f".checkpoint-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     extra = {n: source / n for n in TOKENIZER_FILES if (source / n).is_file()}
-    save_model(model, tmp / "model", extra_files=extra)
-    if ref is not None:
-        save_model(ref, tmp / "ref_model")
-    torch.save(state, tmp / "trainer_state.pt")
-    fsync_dir(tmp)
+    try:
+        save_model(model, tmp / "model", extra_files=extra)
+        if ref is not None:
+            save_model(ref, tmp / "ref_model")
+        torch.save(state, tmp / "trainer_state.pt")
+        fsync_dir(tmp)
+    except (OSError, SafetensorError, RuntimeError) as e:  # no space, file too large, I/O error (torch: RuntimeError)
+        shutil.rmtree(tmp, ignore_errors=True)  # give the space back
+        kept = (run / "latest").read_text().strip() if (run / "latest").is_file() else None
+        raise OSError(f"could not write checkpoint {final} ({type(e).__name__}: {e}); " +
+                      (f"{run / kept} is intact: make room, then continue with --resume {run}" if kept else
+                       "no earlier checkpoint exists: make room and start again")) from e
     if final.exists():  # a crashed attempt's save of this step (rlcore's), or someone else's directory
         if not (final / "trainer_state.pt").is_file():
             raise FileExistsError(f"{final} exists and is not an rlcore checkpoint (no trainer_state.pt); "

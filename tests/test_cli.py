@@ -225,6 +225,44 @@ def test_a_save_does_not_replace_a_directory_that_is_not_an_rlcore_checkpoint(tm
     assert (run / "latest").read_text() == "checkpoint-1"
 
 
+@pytest.mark.parametrize("where, error", [
+    ("save_file", "SafetensorError: Error while serializing: I/O error: File too large (os error 27)"),
+    ("torch.save", "OSError: [Errno 28] No space left on device"),
+])
+def test_a_checkpoint_that_cannot_be_written_is_named_and_the_previous_one_kept(where, error, tmp_path, capsys,
+                                                                              monkeypatch):
+    import errno
+
+    import safetensors
+
+    import rlcore.checkpoint
+
+    saves = []
+
+    def failing(real, exc):
+        def save(*args, **kwargs):
+            saves.append(None)
+            if len(saves) == 2:
+                raise exc
+            return real(*args, **kwargs)
+        return save
+
+    if where == "save_file":
+        exc = safetensors.SafetensorError("Error while serializing: I/O error: File too large (os error 27)")
+        monkeypatch.setattr(rlcore.checkpoint, "save_file", failing(rlcore.checkpoint.save_file, exc))
+    else:
+        exc = OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(rlcore.checkpoint.torch, "save", failing(torch.save, exc))
+    run = tmp_path / "run"
+    assert main(cli_args(run, "train.max_steps=2", "train.save_steps=1")) == 1
+    err = capsys.readouterr().err
+    assert f"rlcore: error: could not write checkpoint {run / 'checkpoint-2'} ({error}); {run / 'checkpoint-1'} " \
+           f"is intact: make room, then continue with --resume {run}" in err, err
+    assert sorted(p.name for p in run.glob("*checkpoint-*")) == ["checkpoint-1"]  # the partial save is removed
+    monkeypatch.undo()
+    assert main(["train", "--resume", str(run)]) == 0
+
+
 def test_cli_resume_from_a_damaged_trainer_state_names_it_and_the_way_back(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(cli_args(run, "train.max_steps=2", "train.save_steps=1")) == 0
