@@ -193,6 +193,12 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str = torch.float32
                                           f"config.json's sizes (hidden_size, intermediate_size, vocab_size, "
                                           f"head counts, head_dim) belong to these weights")
                 state[name] = t.to(dtype)
+                if t.is_floating_point() and not bool(torch.isfinite(state[name]).all()):
+                    bad = int((~torch.isfinite(t)).sum())
+                    raise CheckpointError(
+                        f"{file}: tensor {name} holds {bad} NaN/inf value(s); the checkpoint is damaged (or saved "
+                        f"from a diverged run): use another one" if bad else
+                        f"{file}: tensor {name} has values beyond {dtype}'s range: load it in a wider model.dtype")
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = rope_inv_freq(cfg).to(device)  # non-persistent buffer: rebuild off meta
     return model

@@ -127,9 +127,9 @@ def run_command(argv: list[str] | None = None) -> int:
     t0 = time.time()
     try:
         result = train(cfg, resume=args.resume)
-    except (ValueError, TypeError, OSError) as e:
-        # Bad input (checkpoint, data, reward function output, run directory): the message
-        # names the problem and the value; a traceback would only bury it.
+    except (ValueError, TypeError, OSError, FloatingPointError) as e:
+        # Bad input (checkpoint, data, reward function output, run directory) or a diverged run:
+        # the message names the problem and the value; a traceback would only bury it.
         print(f"rlcore: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C (one process; torchrun stops its workers with SIGTERM instead)

@@ -1,6 +1,7 @@
 """Checkpoints in and out: HF layout, sharding, round trip through transformers, clear errors."""
 
 import json
+import math
 import warnings
 
 import pytest
@@ -268,6 +269,23 @@ def test_shape_mismatch_names_tensor_and_shapes(hf_checkpoint):
     save_file(sd, path / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"model\.norm\.weight has shape \(63,\), config\.json implies \(64,\); "
                                               r"check that config\.json's sizes"):
+        load_model(path)
+
+
+def test_a_weight_that_is_not_finite_is_named_at_load(hf_checkpoint):
+    """Not at the first rollout, as 'logits are not finite' with no tensor named."""
+    path, _ = hf_checkpoint("qwen2")
+    sd = load_file(path / "model.safetensors")
+    sd["model.layers.0.mlp.down_proj.weight"][3, 5] = math.inf
+    sd["model.layers.0.mlp.down_proj.weight"][0, 0] = math.nan
+    save_file(sd, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor model\.layers\.0\.mlp\.down_proj\.weight "
+                                              r"holds 2 NaN/inf value\(s\); the checkpoint is damaged"):
+        load_model(path)
+    sd["model.layers.0.mlp.down_proj.weight"] = sd["model.layers.0.mlp.down_proj.weight"].nan_to_num(0.0).double()
+    sd["model.layers.0.mlp.down_proj.weight"][1, 1] = 1e300  # finite in the file, not in float32
+    save_file(sd, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"down_proj\.weight has values beyond torch\.float32's range"):
         load_model(path)
 
 

@@ -296,3 +296,10 @@ def test_cli_time_placeholder_gives_each_run_its_own_directory(tmp_path):
     assert main(args) == 0
     (run,) = tmp_path.iterdir()
     assert re.fullmatch(r"r-\d{8}-\d{6}", run.name) and (run / "latest").is_file()
+
+
+def test_a_diverged_run_is_an_error_not_a_traceback(tmp_path, capsys):
+    # AdamW moves every weight by about the learning rate: at 1e30 the next rollout's logits overflow
+    assert main(cli_args(tmp_path / "run", "train.max_steps=2", "train.learning_rate=1e30",
+                         "train.lr_scheduler_type=constant")) == 1
+    assert "rlcore: error: the model's logits are not finite (NaN or inf) after the prompts" in capsys.readouterr().err

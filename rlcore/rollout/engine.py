@@ -151,7 +151,8 @@ def generate(
     prompt_cache, first_logits = prefill(model, [list(p) for p in distinct], dtype)
     if not bool(torch.isfinite(first_logits).all()):  # one sync per rollout; NaN logits would sample id V
         raise FloatingPointError("the model's logits are not finite (NaN or inf) after the prompts: its weights or "
-                                 "activations overflowed; check the weights for NaN/inf and lower the learning rate")
+                                 "activations overflowed; if training diverged, lower train.learning_rate and "
+                                 "start again from the model or an earlier checkpoint")
     T = prompt_cache.k.shape[3]
     cache = KVCache.empty(model.config, N, T + max_new_tokens - 1, prompt_cache.k.dtype, device)
     cache.k[:, :, :, :T] = prompt_cache.k[:, which]
