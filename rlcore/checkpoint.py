@@ -47,14 +47,31 @@ def read_json(path: Path) -> dict:
         raise CheckpointError(str(e)) from None
 
 
-def load_config(path: str | os.PathLike) -> ModelConfig:
-    path = Path(path)
+def check_model_dir(path: Path) -> None:
+    """Name the directories users give for a model that are something else: an rlcore checkpoint
+    or run directory (the model is inside), a LoRA adapter, a path that does not exist."""
     if problem := checkpoint_dir_problem(path):
         raise CheckpointError(problem)
+    if (path / "config.json").is_file():
+        return
+    if (path / "trainer_state.pt").is_file() and (path / "model" / "config.json").is_file():
+        raise CheckpointError(f"{path} is an rlcore checkpoint; its model is {path / 'model'}: give that directory "
+                              f"(or continue its run with --resume {path.parent})")
+    if (path / "latest").is_file():
+        raise CheckpointError(f"{path} is an rlcore run directory; its newest model is "
+                              f"{path / (path / 'latest').read_text().strip() / 'model'}: give that directory")
+    if (path / "adapter_config.json").is_file():
+        raise CheckpointError(f"{path} is a LoRA adapter (adapter_config.json), not a model; merge it into its base "
+                              f"model first (peft: PeftModel.from_pretrained(base, dir).merge_and_unload()"
+                              f".save_pretrained(out), with the tokenizer) and give that directory")
+    raise CheckpointError(f"{path / 'config.json'}: missing config.json; a Hugging Face checkpoint directory "
+                          "holds config.json, model.safetensors and tokenizer.json")
+
+
+def load_config(path: str | os.PathLike) -> ModelConfig:
+    path = Path(path)
+    check_model_dir(path)
     cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{cfg_file}: missing config.json; a Hugging Face checkpoint directory "
-                              "holds config.json, model.safetensors and tokenizer.json")
     try:
         return ModelConfig.from_hf(read_json(cfg_file), source=str(cfg_file))
     except ValueError as e:
@@ -68,7 +85,19 @@ def open_weights(file: Path, device: torch.device | str = "cpu"):
         with safe_open(file, framework="pt", device=str(device)) as f:
             yield f
     except (SafetensorError, OSError) as e:
+        if is_lfs_pointer(file):
+            raise CheckpointError(f"{file} is a Git LFS pointer, not the weights: fetch them (git lfs pull in "
+                                  f"the clone, or hf download)") from None
         raise CheckpointError(f"{file}: unreadable safetensors file ({e}); is it truncated?") from None
+
+
+def is_lfs_pointer(file: Path) -> bool:
+    """A clone without `git lfs pull` holds a small text file where the weights should be."""
+    try:
+        with open(file, "rb") as f:
+            return f.read(23) == b"version https://git-lfs"
+    except OSError:
+        return False
 
 
 def weight_files(path: Path) -> dict[str, Path]:

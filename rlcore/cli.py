@@ -122,7 +122,11 @@ def run_command(argv: list[str] | None = None) -> int:
         print(f"rlcore: error: --resume {run}: no such run directory", file=sys.stderr)
         return 1
     if args.resume and not (run / "latest").is_file():
-        print(f"rlcore: error: --resume {run}: no checkpoint there (no `latest` file)", file=sys.stderr)
+        hint = ""
+        if (run / "trainer_state.pt").is_file():  # a checkpoint, as the Trainer's resume_from_checkpoint takes
+            hint = (f"; it is a checkpoint: --resume takes its run directory, --resume {run.parent} (which "
+                    f"continues from the checkpoint its `latest` names)")
+        print(f"rlcore: error: --resume {run}: no checkpoint there (no `latest` file){hint}", file=sys.stderr)
         return 1
     t0 = time.time()
     try:

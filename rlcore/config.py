@@ -20,6 +20,7 @@ import dataclasses
 import difflib
 import inspect
 import math
+import os
 import sys
 import textwrap
 import types
@@ -260,6 +261,10 @@ class Config:
     """batching, optimizer and bookkeeping"""
 
     def __post_init__(self):
+        for section, key in (*PATH_OPTIONS, ("train", "output_dir")):  # "~/ckpt" as a shell would read it
+            value = getattr(getattr(self, section), key)
+            if isinstance(value, str) and value.startswith("~"):
+                setattr(getattr(self, section), key, os.path.expanduser(value))
         # Fill the defaults that depend on another field (TRL does the same in __post_init__).
         if isinstance(self.loss.scale_rewards, bool):
             self.loss.scale_rewards = "group" if self.loss.scale_rewards else "none"

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from rlcore.checkpoint import (checkpoint_step, latest_checkpoint, load_model, load_trainer_state, resolve_dtype,
-                               save_checkpoint)
+from rlcore.checkpoint import (check_model_dir, checkpoint_step, latest_checkpoint, load_model, load_trainer_state,
+                               resolve_dtype, save_checkpoint)
 from rlcore.config import (Config, dump_config, epoch_steps, generation_steps, recorded_model_path, validate,
                            warn_bf16_weights, with_absolute_paths)
 from rlcore import distributed
@@ -274,6 +274,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
     check_reward_funcs(reward_funcs, ["prompts", "completions", *REWARD_EXTRAS, *columns])
     model_dir = (Path(cfg.model.path) if cfg.model.path not in ("", "embedded")
                  else embedded_model_dir(cfg, rank, world))
+    check_model_dir(model_dir)  # before its tokenizer: an rlcore checkpoint or a LoRA adapter is named as such
     tok = Tokenizer.from_dir(model_dir)
     ck = latest_checkpoint(Path(resume)) if resume else None
     dtype = resolve_dtype(cfg.model.dtype, model_dir)  # 'auto': the checkpoint's

@@ -289,6 +289,34 @@ def test_a_weight_that_is_not_finite_is_named_at_load(hf_checkpoint):
         load_model(path)
 
 
+def test_directories_that_are_not_a_model_say_what_they_are(hf_checkpoint, tmp_path):
+    path, _ = hf_checkpoint("qwen2")
+    ck = tmp_path / "run" / "checkpoint-2"  # an rlcore checkpoint and its run directory
+    save_model(load_model(path), ck / "model")
+    (ck / "trainer_state.pt").write_bytes(b"")
+    (tmp_path / "run" / "latest").write_text("checkpoint-2")
+    with pytest.raises(CheckpointError, match=rf"{ck} is an rlcore checkpoint; its model is {ck / 'model'}: give "
+                                              rf"that directory \(or continue its run with --resume {ck.parent}\)"):
+        load_model(ck)
+    with pytest.raises(CheckpointError, match=rf"{ck.parent} is an rlcore run directory; its newest model is "
+                                              rf"{ck / 'model'}"):
+        load_model(ck.parent)
+    adapter = tmp_path / "lora"  # what Unsloth and peft save
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"lora is a LoRA adapter \(adapter_config\.json\), not a model; merge it"):
+        load_model(adapter)
+
+
+def test_a_git_lfs_pointer_is_named(hf_checkpoint):
+    path, _ = hf_checkpoint("qwen2")
+    (path / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0123\n"
+                                            "size 1234567\n")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is a Git LFS pointer, not the weights: fetch them"):
+        load_model(path)
+
+
 def test_missing_shard_named(hf_checkpoint, tmp_path):
     path, hf = hf_checkpoint("llama")
     out = tmp_path / "sh"

@@ -151,6 +151,11 @@ def test_cli_resume_of_a_directory_without_checkpoints_is_an_error(tmp_path, cap
     (tmp_path / "empty").mkdir()
     assert main(["train", "--resume", str(tmp_path / "empty")]) == 1
     assert "no checkpoint there" in capsys.readouterr().err
+    ck = tmp_path / "run" / "checkpoint-3"  # the Trainer's resume_from_checkpoint takes a checkpoint
+    ck.mkdir(parents=True)
+    (ck / "trainer_state.pt").write_bytes(b"")
+    assert main(["train", "--resume", str(ck)]) == 1
+    assert f"it is a checkpoint: --resume takes its run directory, --resume {ck.parent}" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

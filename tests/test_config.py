@@ -654,6 +654,14 @@ def test_gspo_with_token_summing_loss_type_warns(level):
         load_config(None, [f"loss.importance_sampling_level={level}"])
 
 
+def test_a_home_relative_path_is_expanded(monkeypatch):
+    monkeypatch.setenv("HOME", "/home/someone")
+    c = load_config(None, ["model.path=~/ckpt/qwen", "data.task=jsonl", "data.path=~/gsm8k.jsonl",
+                           "train.output_dir=~/runs/a"])
+    assert (c.model.path, c.data.path, c.train.output_dir) == \
+        ("/home/someone/ckpt/qwen", "/home/someone/gsm8k.jsonl", "/home/someone/runs/a")
+
+
 def test_dumped_toml_is_valid_toml():
     tomllib.loads(dump_config(Config()))
 
