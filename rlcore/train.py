@@ -25,6 +25,7 @@ import math
 import os
 import resource
 import time
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from rlcore.checkpoint import (check_model_dir, checkpoint_step, latest_checkpoi
                                resolve_dtype, save_checkpoint)
 from rlcore.config import (Config, dump_config, epoch_steps, generation_steps, recorded_model_path, validate,
                            warn_bf16_weights, with_absolute_paths)
-from rlcore import distributed
+from rlcore import RlcoreWarning, distributed
 from rlcore.data import encode_prompts, load_examples
 from rlcore.embedded import build_embedded_model
 from rlcore.losses.advantages import check_reward_funcs, compute_advantages, score_completions
@@ -289,6 +290,13 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                              cfg.data.max_prompt_length, cfg.data.chat_template_kwargs)
         for ex, p in zip(split, ids):
             ex["prompt_ids"] = p
+    longest = max(len(ex["prompt_ids"]) for ex in train_set + eval_set)
+    new_tokens = max(rc.max_completion_length, t.eval_max_completion_length)
+    if main and longest + new_tokens > model.config.max_position_embeddings:  # transformers warns the same
+        warnings.warn(f"the longest prompt ({longest} tokens) + {new_tokens} new tokens (rollout.max_completion_length"
+                      f", train.eval_max_completion_length) = {longest + new_tokens} positions, past {model_dir}'s "
+                      f"max_position_embeddings = {model.config.max_position_embeddings} (config.json): the model "
+                      f"was not trained there; lower the lengths", RlcoreWarning, stacklevel=2)
     accuracy_fn = get_reward_funcs([TASK_REWARD[cfg.data.task]])[0]
     stop_sequences = [ids for s in rc.stop for ids in tok.stop_ids(s)]  # rollout.stop as token ids
 

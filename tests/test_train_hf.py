@@ -176,6 +176,18 @@ def test_a_round_nothing_scores_is_reported(qwen_dir, gsm8k_file, tmp_path, caps
     assert "warning: no reward function scored any completion of round 1" in capsys.readouterr().out
 
 
+def test_prompt_plus_completion_past_max_position_embeddings_warns(qwen_dir, gsm8k_file, tmp_path):
+    rewrite_config(qwen_dir, max_position_embeddings=40)
+    cfg = load_config(None, [
+        f"model.path={qwen_dir}", "data.task=jsonl", f"data.path={gsm8k_file}", "data.prompt_column=question",
+        "data.num_eval=2", "rollout.num_generations=4", "rollout.max_completion_length=30",
+        "train.eval_max_completion_length=4", "train.per_device_train_batch_size=8", "train.max_steps=1",
+        "train.device=cpu", f"train.output_dir={tmp_path / 'run'}"])
+    with pytest.warns(UserWarning, match=r"the longest prompt \((\d+) tokens\) \+ 30 new tokens .* past .*'s "
+                                         r"max_position_embeddings = 40 \(config\.json\)"):
+        train(cfg)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
 def test_weight_decay_skips_the_parameters_transformers_trainer_skips(family, hf_checkpoint):
     """train.weight_decay decays what transformers' Trainer (so TRL) decays, by name: not biases
