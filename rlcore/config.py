@@ -20,6 +20,7 @@ import dataclasses
 import difflib
 import inspect
 import math
+import re
 import os
 import sys
 import textwrap
@@ -408,9 +409,16 @@ def load_config(path: str | None = None, overrides: list[str] = (), world_size: 
             raise ConfigError(f"config file {path} is not UTF-8 text ({e.reason}, byte "
                               f"{e.object[e.start:e.start + 1]!r} at offset {e.start}); save it as UTF-8") from None
         except tomllib.TOMLDecodeError as e:
+            if looks_like_yaml(path):
+                raise ConfigError(f"config file {path} looks like YAML; rlcore reads TOML: write `key = value` "
+                                  f"(learning_rate = 1e-6, strings quoted), TRL's flat names work as they "
+                                  f"are ({e})") from None
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
         except OSError as e:
             raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
+    if path is not None and not d:
+        warnings.warn(f"config file {path} sets nothing: the run takes rlcore's defaults (rlcore options), "
+                      f"not those of configs/default.toml", RlcoreWarning, stacklevel=2)
     d = normalize(d)
     layer = {}
     for item in overrides:
@@ -427,6 +435,15 @@ def load_config(path: str | None = None, overrides: list[str] = (), world_size: 
     return config
 
 
+def looks_like_yaml(path: str) -> bool:
+    """A .yaml/.yml name, or a first setting written `key: value` (TRL's and verl's recipe files)."""
+    if Path(path).suffix.lower() in (".yaml", ".yml"):
+        return True
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [ln for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+    return bool(lines) and re.match(r"^\s*[\w.-]+:(\s|$)", lines[0]) is not None
+
+
 def parse_override(item: str) -> tuple[str, str, object]:
     """`"loss.beta=0.04"` -> `("loss", "beta", 0.04)`; a flat TRL key (`"beta=0.04"`) finds its section."""
     key, sep, raw = item.partition("=")
@@ -434,12 +451,25 @@ def parse_override(item: str) -> tuple[str, str, object]:
     if not sep or not key:
         raise ConfigError(f"override {item!r} is not section.key=value; write e.g. --set loss.beta=0.04")
     parts = key.split(".")
+    if len(parts) == 1 and parts[0] in SECTIONS:
+        try:
+            table = tomllib.loads(f"v = {raw.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            table = None
+        pairs = table.items() if isinstance(table, dict) and table else [(_field_names(SECTIONS[parts[0]])[0], "...")]
+        raise ConfigError(f"--set {item}: {parts[0]} is a section; set one key at a time: " +
+                          " ".join(f"--set {parts[0]}.{k}={_toml_value(v) if v != '...' else v}" for k, v in pairs))
     if len(parts) == 1:
         section, name = _flat_target(parts[0])
     elif len(parts) == 2:
         section, name = parts
         if section not in SECTIONS:
             raise _unknown_section(section)
+    elif parts[0] in SECTIONS and typing.get_origin(typing.get_type_hints(SECTIONS[parts[0]]).get(parts[1])) is dict:
+        raise ConfigError(f"--set {item}: {parts[0]}.{parts[1]} is a table; give it whole: "
+                          f"--set '{parts[0]}.{parts[1]}={{{'.'.join(parts[2:])}={raw.strip()}}}'")
+    elif text := trl_options.foreign(key):
+        raise ConfigError(f"unknown config key {key}: {text}")
     else:
         raise ConfigError(f"override key {key!r} has too many dots; write section.key=value, "
                           f"e.g. --set loss.beta=0.04")
@@ -449,6 +479,9 @@ def parse_override(item: str) -> tuple[str, str, object]:
     except tomllib.TOMLDecodeError:
         value = raw
     hint = typing.get_type_hints(SECTIONS[section]).get(name)
+    if isinstance(value, str) and value.startswith("[") and value.endswith("]") and hint is not None \
+            and _accepts(hint, list) and not _accepts(hint, str):
+        value = [w.strip() for w in value[1:-1].split(",") if w.strip()]  # the shell ate the quotes: [a,b]
     if hint is not None and not isinstance(value, str) and _accepts(hint, str) and not _accepts(hint, type(value)):
         value = raw  # `data.system_prompt=42` means the text "42"
     return section, name, value
@@ -546,6 +579,8 @@ def _flat_target(key: str) -> tuple[str, str]:
 
 
 def _unknown_section(name: str) -> ConfigError:
+    if text := trl_options.foreign(name):
+        return ConfigError(f"unknown config section [{name}]: {text}")
     close = difflib.get_close_matches(name, SECTIONS, n=1)
     hint = f"did you mean [{close[0]}]? " if close else ""
     return ConfigError(f"unknown config section [{name}]; {hint}sections are {', '.join(SECTIONS)}")
@@ -562,6 +597,8 @@ def _field_names(cls) -> list[str]:
 
 def _suggest(key: str) -> str:
     """"; did you mean X?" for an unknown `key` ("section.name" or a flat name), or a pointer to the docs."""
+    if text := trl_options.foreign(key):
+        return f": {text}"
     section, _, name = key.rpartition(".")
     owners = _owners(name)
     if not owners:
@@ -573,7 +610,7 @@ def _suggest(key: str) -> str:
             owners = _owners(close[0]) if close else []
         name = close[0] if close else name
     if not owners:
-        return "; see the options table in the README (rlcore.config.options_table())"
+        return "; `rlcore options` lists every option"
     return "; did you mean " + " or ".join(f"{s}.{name}" for s in owners) + "?"
 
 
@@ -629,8 +666,11 @@ def _check_type(key: str, value, tp):
             also = ", or true / false" if bool in base else ""
             raise ConfigError(f"{key} = {value!r} is not a valid choice; valid: "
                               f"{', '.join(repr(c) for c in choices)}{also}{hint}")
+    example = f"{key}={_example(tp)}"
+    if any(c in example for c in "[]{}\"' "):
+        example = f"'{example}'"  # quoted for the shell, which would eat the inner quotes
     raise ConfigError(f"{key} = {value!r} has type {type(value).__name__}, expected "
-                      f"{_describe(tp)}; e.g. --set {key}={_example(tp)}")
+                      f"{_describe(tp)}; e.g. --set {example}")
 
 
 def _convert(value, tp) -> tuple[bool, object]:

@@ -151,6 +151,44 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
 LOSS_TYPES = {"cispo": ("cispo", "dapo"), "sapo": ("sapo", "grpo"), "vespo": ("vespo", "dapo")}
 
 
+# Other frameworks' names users bring (verl's config tree, Unsloth's loader and LoRA options):
+# an "unknown config key" error adds the rlcore equivalent, or why there is none.
+NO_LORA = "rlcore trains every weight (no LoRA or adapters); leave it out"
+NO_QUANT = "rlcore trains full-precision weights (model.dtype float32 or bfloat16); leave it out"
+FOREIGN = {
+    "actor_rollout_ref": "verl's config tree; rlcore takes TRL's names: rollout.n -> rollout.num_generations, "
+                         "rollout.response_length -> rollout.max_completion_length, actor.optim.lr -> "
+                         "train.learning_rate, actor.ppo_micro_batch_size_per_gpu -> train.per_device_train_batch_size,"
+                         " actor.clip_ratio_low / clip_ratio_high -> loss.epsilon / loss.epsilon_high, "
+                         "actor.clip_ratio_c -> loss.delta, actor.kl_loss_coef -> loss.beta, actor.loss_agg_mode -> "
+                         "loss.loss_type (`rlcore options` lists them all)",
+    "algorithm": "verl's; rlcore's advantages are GRPO's (loss.scale_rewards), its KL is loss.beta",
+    "trainer": "verl's; rlcore's are train.max_steps, train.save_steps, train.output_dir, ...",
+    "critic": "verl's; GRPO has no critic",
+    "reward_model": "verl's; rlcore scores with loss.reward_funcs (Python functions)",
+    "train_files": "verl's; rlcore reads one JSONL file: data.path (data.task = 'jsonl')",
+    "val_files": "verl's; rlcore's held-out file is data.eval_path",
+    "train_batch_size": "verl's prompts per step; rlcore's round is train.per_device_train_batch_size x "
+                        "train.steps_per_generation completions, / rollout.num_generations prompts",
+    "max_response_length": "verl's; rlcore's is rollout.max_completion_length",
+    "load_in_4bit": NO_QUANT, "load_in_8bit": NO_QUANT, "full_finetuning": "rlcore always trains every weight",
+    "lora_rank": NO_LORA, "lora_r": NO_LORA, "lora_alpha": NO_LORA, "lora_dropout": NO_LORA,
+    "target_modules": NO_LORA, "use_peft": NO_LORA, "lora_target_modules": NO_LORA,
+    "fast_inference": "Unsloth's vLLM switch; rlcore generates with its own engine (rlcore.rollout)",
+    "gpu_memory_utilization": "a vLLM setting; rlcore has no vLLM",
+    "max_seq_length": "Unsloth's prompt + completion budget; rlcore's are data.max_prompt_length and "
+                      "rollout.max_completion_length",
+}
+
+
+def foreign(key: str) -> str | None:
+    """What rlcore has instead of another framework's `key` (a section, or a dotted or flat name)."""
+    for part in (key, key.rpartition(".")[2], key.partition(".")[0]):
+        if part in FOREIGN:
+            return FOREIGN[part]
+    return None
+
+
 def explain(key: str, value) -> tuple[bool, str] | None:
     """None when `key` is not one of TRL's names without an rlcore field; else (harmless, text):
     harmless when `value` changes nothing in rlcore (the text is the warning), else the text is

@@ -662,6 +662,41 @@ def test_a_home_relative_path_is_expanded(monkeypatch):
         ("/home/someone/ckpt/qwen", "/home/someone/gsm8k.jsonl", "/home/someone/runs/a")
 
 
+@pytest.mark.parametrize("override, said", [
+    # the shell ate the quotes of ["accuracy","format"]: accepted as the words it meant
+    ("loss.reward_funcs=[accuracy,format]", None),
+    ("train={max_steps=1,seed=3}", r"train is a section; set one key at a time: --set train\.max_steps=1 "
+                                   r"--set train\.seed=3"),
+    ("data.chat_template_kwargs.enable_thinking=false", r"data\.chat_template_kwargs is a table; give it whole: "
+                                                        r"--set 'data\.chat_template_kwargs=\{enable_thinking=false\}'"),
+    ("actor_rollout_ref.rollout.n=8", r"verl's config tree; rlcore takes TRL's names: rollout\.n -> "
+                                      r"rollout\.num_generations"),
+    ("data.train_batch_size=8", r"unknown config key data\.train_batch_size: verl's prompts per step"),
+    ("load_in_4bit=true", r"unknown config key load_in_4bit: rlcore trains full-precision weights"),
+    ("lora_rank=16", r"no LoRA"),
+    ("frobnicate=1", r"unknown config key frobnicate; `rlcore options` lists every option"),
+    ("loss.reward_funcs=3", r"expected a list of strings; e.g\. --set 'loss\.reward_funcs=\[\"a\",\"b\"\]'"),
+])
+def test_what_users_of_other_tools_type_is_taken_or_answered(override, said):
+    if said is None:
+        assert load_config(None, [override]).loss.reward_funcs == ["accuracy", "format"]
+    else:
+        with pytest.raises(ConfigError, match=said):
+            load_config(None, [override])
+
+
+def test_a_yaml_config_and_a_verl_section_are_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"looks like YAML; rlcore reads TOML: write `key = value`"):
+        load_config(write(tmp_path, "# GRPO\nlearning_rate: 1.0e-6\nbeta: 0.0\n"), [])
+    with pytest.raises(ConfigError, match=r"unknown config section \[actor_rollout_ref\]: verl's config tree"):
+        load_config(write(tmp_path, "[actor_rollout_ref.rollout]\nn = 8\n"), [])
+
+
+def test_an_empty_config_file_warns_that_it_sets_nothing(tmp_path):
+    with pytest.warns(UserWarning, match=r"sets nothing: the run takes rlcore's defaults"):
+        load_config(write(tmp_path, "# to do\n"), [])
+
+
 def test_dumped_toml_is_valid_toml():
     tomllib.loads(dump_config(Config()))
 
