@@ -92,12 +92,13 @@ def run_command(argv: list[str] | None = None) -> int:
         print(options_table())
         return 0
 
+    run_config = None  # the run's own config.toml, read back by --resume
     if args.resume and not args.config and (Path(args.resume) / "latest").is_file():  # else: an error below
         if not (Path(args.resume) / "config.toml").is_file():  # train() writes it; older Python-started runs lack it
             print(f"rlcore: error: --resume {args.resume}: the run directory has no config.toml; give the config "
                   f"the run was started with: rlcore train CONFIG --resume {args.resume}", file=sys.stderr)
             return 1
-        args.config = str(Path(args.resume) / "config.toml")
+        args.config = run_config = str(Path(args.resume) / "config.toml")
     # Reward functions named "module:function" import from the current directory, as with
     # `python -m rlcore.cli` (the `rlcore` script alone would not look there); last on the path,
     # so a file there named like one of rlcore's dependencies does not shadow it.
@@ -111,7 +112,8 @@ def run_command(argv: list[str] | None = None) -> int:
         else:  # a fresh run directory per invocation when the config asks for one
             cfg.train.output_dir = cfg.train.output_dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S"))
     except ConfigError as e:
-        print(f"rlcore: config error: {e}", file=sys.stderr)
+        where = f" in {run_config} (the run's configuration, or the --set values)" if run_config else ""
+        print(f"rlcore: config error{where}: {e}", file=sys.stderr)
         return 2
 
     from rlcore import distributed

@@ -357,7 +357,12 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         if lc.use_adaptive_entropy and st.get("entropy_bonus"):  # the controller's state (static: the config's)
             bonus.load_state_dict(st["entropy_bonus"])
         if main:
-            kept_rows = metrics_file.read_text().splitlines()[:step]  # one row per step; later (torn) rows go
+            if metrics_file.is_file():
+                kept_rows = metrics_file.read_text().splitlines()[:step]  # one row per step; later (torn) rows go
+            else:
+                warnings.warn(f"{metrics_file} is missing: its rows up to step {step} are lost; the rows from step "
+                              f"{step + 1} on go to a new one", RlcoreWarning, stacklevel=2)
+                kept_rows = []
             metrics_file.write_text("".join(ln + "\n" for ln in kept_rows))
             drop_rows_after(run / "eval.jsonl", step)
             drop_rows_after(run / "completions.jsonl", step)

@@ -308,3 +308,18 @@ def test_a_diverged_run_is_an_error_not_a_traceback(tmp_path, capsys):
     assert main(cli_args(tmp_path / "run", "train.max_steps=2", "train.learning_rate=1e30",
                          "train.lr_scheduler_type=constant")) == 1
     assert "rlcore: error: the model's logits are not finite (NaN or inf) after the prompts" in capsys.readouterr().err
+
+
+def test_resume_names_the_runs_config_when_it_is_wrong_and_survives_a_deleted_metrics_file(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(cli_args(run, "train.max_steps=1")) == 0
+    good = (run / "config.toml").read_text()
+    (run / "config.toml").write_text(good.replace("num_generations", "num_generation"))
+    assert main(["train", "--resume", str(run), "--set", "train.max_steps=2"]) == 2
+    assert f"rlcore: config error in {run / 'config.toml'} (the run's configuration, or the --set values): " \
+           f"unknown config key rollout.num_generation" in capsys.readouterr().err
+    (run / "config.toml").write_text(good)
+    (run / "metrics.jsonl").unlink()
+    assert main(["train", "--resume", str(run), "--set", "train.max_steps=2"]) == 0
+    assert "metrics.jsonl is missing: its rows up to step 1 are lost" in capsys.readouterr().err
+    assert [r["step"] for r in rows(run)] == [2]
