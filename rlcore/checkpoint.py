@@ -384,6 +384,21 @@ def load_trainer_state(ck: Path) -> dict:
     try:
         return torch.load(file, weights_only=False)
     except Exception as e:  # a damaged file fails inside pickle or zipfile, with no file name
-        raise ValueError(f"{file} cannot be read ({type(e).__name__}: {e}); the checkpoint is damaged. "
-                         f"The run directory keeps the previous checkpoint-<step>: write its name into "
-                         f"{ck.parent / 'latest'} to resume from it") from e
+        raise ValueError(f"{file} cannot be read ({type(e).__name__}: {e}); the checkpoint is damaged"
+                         f"{way_back(ck)}") from e
+
+
+def way_back(ck: Path) -> str:
+    """For a damaged checkpoint `ck` of a run: the earlier one to resume from, and how."""
+    earlier = [p for p in checkpoints(ck.parent) if checkpoint_step(p) < checkpoint_step(ck)]
+    if not earlier:
+        return "; the run keeps no earlier checkpoint: start it again"
+    return f"; the run keeps {earlier[-1].name}: write that name into {ck.parent / 'latest'} to resume from it"
+
+
+def load_resumed_model(ck: Path, dtype, device) -> Transformer:
+    """`load_model` of a run's checkpoint, pointing at the earlier one when this one is damaged."""
+    try:
+        return load_model(ck / "model", dtype, device)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}{way_back(ck)}") from None

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from rlcore.checkpoint import (check_model_dir, checkpoint_step, latest_checkpoint, load_model, load_trainer_state,
-                               resolve_dtype, save_checkpoint)
+from rlcore.checkpoint import (check_model_dir, checkpoint_step, latest_checkpoint, load_model, load_resumed_model,
+                               load_trainer_state, resolve_dtype, save_checkpoint)
 from rlcore.config import (Config, dump_config, epoch_steps, generation_steps, recorded_model_path, validate,
                            warn_bf16_weights, with_absolute_paths)
 from rlcore import RlcoreWarning, distributed
@@ -281,7 +281,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
     dtype = resolve_dtype(cfg.model.dtype, model_dir)  # 'auto': the checkpoint's
     if cfg.model.dtype == "auto" and dtype == "bfloat16" and main:
         warn_bf16_weights(cfg, f"model.dtype = 'auto' on {model_dir}, a bfloat16 checkpoint")
-    model = load_model(ck / "model" if ck else model_dir, dtype, device)
+    model = load_resumed_model(ck, dtype, device) if ck else load_model(model_dir, dtype, device)
     model.gradient_checkpointing = t.gradient_checkpointing
     check_vocab_fits(tok, model.config.vocab_size, model_dir)
     ref = reference_model(cfg, model, model_dir, ck, dtype, device) if lc.beta else None

@@ -275,10 +275,23 @@ def test_cli_resume_from_a_damaged_trainer_state_names_it_and_the_way_back(tmp_p
     capsys.readouterr()
     assert main(["train", "--resume", str(run), "--set", "train.max_steps=3"]) == 1
     err = capsys.readouterr().err
-    assert f"{run / 'checkpoint-2' / 'trainer_state.pt'} cannot be read" in err and str(run / "latest") in err
+    assert f"{run / 'checkpoint-2' / 'trainer_state.pt'} cannot be read" in err
+    assert f"the run keeps checkpoint-1: write that name into {run / 'latest'} to resume from it" in err
     (run / "latest").write_text("checkpoint-1")  # the way back the message gives
     assert main(["train", "--resume", str(run), "--set", "train.max_steps=3"]) == 0
     assert [r["step"] for r in rows(run)] == [1, 2, 3]
+
+
+def test_cli_resume_from_truncated_weights_names_them_and_the_way_back(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(cli_args(run, "train.max_steps=2", "train.save_steps=1")) == 0
+    weights_file = run / "checkpoint-2" / "model" / "model.safetensors"
+    weights_file.write_bytes(weights_file.read_bytes()[:1000])
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--set", "train.max_steps=3"]) == 1
+    err = capsys.readouterr().err
+    assert f"{weights_file}: unreadable safetensors file" in err
+    assert f"the run keeps checkpoint-1: write that name into {run / 'latest'} to resume from it" in err
 
 
 def test_cli_resume_of_a_checkpoint_with_one_optimizer_group_names_it(tmp_path, capsys):
