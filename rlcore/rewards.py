@@ -18,7 +18,8 @@ An infinite score (or one past float32's range) is an error. Async functions are
 
 Your own reward function has the same shape; name it in the config as "module:function", with
 the module importable: from the current directory (the command line puts it on the path) or
-PYTHONPATH. Its signature is checked against these keywords before the run starts.
+PYTHONPATH. An object with `__call__` works too (name the instance, not its class). Its
+signature is checked against these keywords before the run starts.
 """
 
 from __future__ import annotations
@@ -244,19 +245,30 @@ def get_reward_funcs(names: list[str]) -> list[RewardFunc]:
     funcs = []
     for name in names:
         if ":" in name:
-            module, _, attr = name.partition(":")
-            try:
-                fn = getattr(importlib.import_module(module), attr)
-            except Exception as e:  # ImportError, AttributeError, or any error the module raises
-                raise ValueError(f"loss.reward_funcs entry {name!r} cannot be loaded ({type(e).__name__}: {e}); give "
-                                 f"'module:function' with the module importable (from the current directory or "
-                                 f"PYTHONPATH)") from e
-            if not callable(fn):
-                raise ValueError(f"loss.reward_funcs entry {name!r} is a {type(fn).__name__}, not a function")
-            funcs.append(fn)
+            funcs.append(load_reward_func(name))
         elif name in REWARDS:
             funcs.append(REWARDS[name])
         else:
             raise ValueError(f"unknown reward {name!r} in loss.reward_funcs; built-in rewards are "
                              f"{', '.join(REWARDS)}, or give your own as 'module:function'")
     return funcs
+
+
+def load_reward_func(name: str) -> RewardFunc:
+    """The reward function a "module:function" name gives: a function, or an object with __call__
+    (TRL takes any callable); not a class, which a call would construct rather than score with."""
+    module_name, _, attr = name.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except Exception as e:  # ImportError, AttributeError, or any error the module raises
+        raise ValueError(f"loss.reward_funcs entry {name!r} cannot be loaded ({type(e).__name__}: {e}); give "
+                         f"'module:function' with the module importable (from the current directory or "
+                         f"PYTHONPATH)") from e
+    if inspect.isclass(fn):
+        raise ValueError(f"loss.reward_funcs entry {name!r} is a class; calling it would create an object, not "
+                         f"score the completions: create an instance at module level in {module_name} "
+                         f"(reward = {attr}()) and name that instance ('{module_name}:reward')")
+    if not callable(fn):
+        raise ValueError(f"loss.reward_funcs entry {name!r} is a {type(fn).__name__}, not a function")
+    return fn
+

@@ -2,6 +2,7 @@
 
 import pytest
 
+from rlcore.losses.advantages import check_reward_funcs, score_completions
 from rlcore.rewards import (REWARDS, accuracy, check_countdown, countdown, dataset_columns, evaluate_expression,
                             extract_answer, format_reward, get_reward_funcs, reward_inputs)
 
@@ -175,3 +176,34 @@ def test_get_reward_funcs_names_an_error_raised_while_importing_the_module(tmp_p
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ValueError, match=r"'broken_rewards:f' cannot be loaded \(SyntaxError: .*line 1"):
         get_reward_funcs(["broken_rewards:f"])
+
+
+CLASS_REWARD = """
+class ClassReward:
+    def __init__(self, scale=1.0):
+        self.scale = scale
+
+    def __call__(self, prompts, completions, **kwargs):
+        return [self.scale * len(c) for c in completions]
+
+
+reward = ClassReward(scale=2.0)
+"""
+
+
+def test_get_reward_funcs_rejects_a_class_and_says_to_name_an_instance(tmp_path, monkeypatch):
+    (tmp_path / "class_reward_rejected.py").write_text(CLASS_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"'class_reward_rejected:ClassReward' is a class; .*create an instance at "
+                                         r"module level .*\(reward = ClassReward\(\)\) and name that instance "
+                                         r"\('class_reward_rejected:reward'\)"):
+        get_reward_funcs(["class_reward_rejected:ClassReward"])
+
+
+def test_an_instance_with_call_is_a_reward_function(tmp_path, monkeypatch):
+    (tmp_path / "class_reward_instance.py").write_text(CLASS_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    funcs = get_reward_funcs(["class_reward_instance:reward"])
+    check_reward_funcs(funcs, ["prompts", "completions", "answer"])
+    scores = score_completions(funcs, ["p", "p"], ["a", "bb"], {"answer": [None, None]})
+    assert scores.tolist() == [[2.0], [4.0]]
