@@ -258,6 +258,15 @@ def load_reward_func(name: str) -> RewardFunc:
     """The reward function a "module:function" name gives: a function, or an object with __call__
     (TRL takes any callable); not a class, which a call would construct rather than score with."""
     module_name, _, attr = name.partition(":")
+    fix = ("put a def in a .py file and name it 'module:function' (def my_reward(prompts, completions, "
+           "**kwargs) in my_rewards.py is 'my_rewards:my_reward')")
+    if re.match(r"\s*lambda\b", name):
+        raise ValueError(f"loss.reward_funcs entry {name!r} is a lambda; a config names a function and cannot "
+                         f"hold code (a lambda or other expression): {fix}")
+    not_a_name = next((part for part in (*module_name.split("."), attr) if not part.isidentifier()), None)
+    if not_a_name is not None:
+        raise ValueError(f"loss.reward_funcs entry {name!r} is not 'module:function': {not_a_name!r} is not a "
+                         f"Python name, and a config cannot hold code (a lambda or other expression): {fix}")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except Exception as e:  # ImportError, AttributeError, or any error the module raises

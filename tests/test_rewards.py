@@ -1,5 +1,7 @@
 """Built-in rewards: answer extraction, exact matching, the R1 format, the safe countdown evaluator."""
 
+import re
+
 import pytest
 
 from rlcore.losses.advantages import check_reward_funcs, score_completions
@@ -207,3 +209,13 @@ def test_an_instance_with_call_is_a_reward_function(tmp_path, monkeypatch):
     check_reward_funcs(funcs, ["prompts", "completions", "answer"])
     scores = score_completions(funcs, ["p", "p"], ["a", "bb"], {"answer": [None, None]})
     assert scores.tolist() == [[2.0], [4.0]]
+
+
+@pytest.mark.parametrize("name, problem", [
+    ("lambda prompts, completions, **kw: [1.0]*len(completions)", "is a lambda; a config names a function"),
+    ("my_rewards:make_reward(2)", "is not 'module:function': 'make_reward\\(2\\)' is not a Python name"),
+])
+def test_get_reward_funcs_says_a_config_cannot_hold_a_lambda_or_expression(name, problem):
+    with pytest.raises(ValueError, match=rf"loss.reward_funcs entry '{re.escape(name)}' {problem}.*lambda or other "
+                                         r"expression.*put a def in a .py file and name it 'module:function'"):
+        get_reward_funcs([name])
