@@ -25,11 +25,13 @@ signature is checked against these keywords before the run starts.
 from __future__ import annotations
 
 import ast
+import difflib
 import importlib
 import inspect
 import re
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 from typing import Callable
 
 RewardFunc = Callable[..., list]
@@ -268,11 +270,14 @@ def load_reward_func(name: str) -> RewardFunc:
         raise ValueError(f"loss.reward_funcs entry {name!r} is not 'module:function': {not_a_name!r} is not a "
                          f"Python name, and a config cannot hold code (a lambda or other expression): {fix}")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except Exception as e:  # ImportError, AttributeError, or any error the module raises
+        module = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, or any error the module raises
         raise ValueError(f"loss.reward_funcs entry {name!r} cannot be loaded ({type(e).__name__}: {e}); give "
                          f"'module:function' with the module importable (from the current directory or "
                          f"PYTHONPATH)") from e
+    if not hasattr(module, attr):
+        raise ValueError(f"loss.reward_funcs entry {name!r}: " + missing_attribute(module, module_name, attr))
+    fn = getattr(module, attr)
     if inspect.isclass(fn):
         raise ValueError(f"loss.reward_funcs entry {name!r} is a class; calling it would create an object, not "
                          f"score the completions: create an instance at module level in {module_name} "
@@ -281,3 +286,18 @@ def load_reward_func(name: str) -> RewardFunc:
         raise ValueError(f"loss.reward_funcs entry {name!r} is a {type(fn).__name__}, not a function")
     return fn
 
+
+def missing_attribute(module, module_name: str, attr: str) -> str:
+    """Why `attr` is not in `module`, naming the file that was imported: a file of that name in the
+    current directory that a standard or installed module of the same name shadows (they come
+    before the current directory on the path), or a typo (the nearest name)."""
+    imported = getattr(module, "__file__", None)
+    local = Path.cwd() / (module_name.replace(".", "/") + ".py")
+    problem = (f"module {module_name!r} has no attribute {attr!r}; {module_name!r} was imported from "
+               f"{imported or 'Python itself (a built-in module)'}")
+    if local.is_file() and not (imported and local.samefile(imported)):
+        return (f"{problem}, not from {local}: that file is shadowed by the module of the same name (the standard "
+                f"library and installed packages come before the current directory), so rename {local.name} to a "
+                f"name no installed module has (e.g. my_{local.name}) and name the function by that module")
+    close = difflib.get_close_matches(attr, [n for n in vars(module) if not n.startswith("_")], n=1)
+    return problem + (f"; did you mean {close[0]!r}?" if close else "; name a function defined there")
