@@ -25,10 +25,13 @@ signature is checked against these keywords before the run starts.
 from __future__ import annotations
 
 import ast
+import asyncio
 import difflib
 import importlib
 import inspect
+import os
 import re
+import traceback
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -44,6 +47,27 @@ class RewardState:
 
     global_step: int
     max_steps: int
+
+
+# How rlcore calls a reward function: from its own files, through asyncio for an async one.
+CALLER_DIRS = tuple(os.path.dirname(os.path.realpath(path)) + os.sep for path in (__file__, asyncio.__file__))
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised `error` while scoring: `str(self)` names the function, the error
+    and the sample. `frames` are the traceback entries of the function's own code, from the
+    first one outside rlcore and asyncio on (rlcore's call into it left out), and `trace` those
+    formatted as a traceback ("" when there are none), to print under the message in place of
+    the whole chained traceback."""
+
+    def __init__(self, message: str, error: BaseException | None = None):
+        super().__init__(message)
+        frames = traceback.extract_tb(error.__traceback__) if error is not None else []
+        first = next((i for i, frame in enumerate(frames)
+                      if not os.path.realpath(frame.filename).startswith(CALLER_DIRS)), len(frames))
+        self.frames = traceback.StackSummary.from_list(frames[first:])
+        self.trace = ("Traceback of the reward function (most recent call last):\n" + "".join(self.frames.format())
+                      if self.frames else "")
 
 
 def reward_extras(completion_ids: list[list[int]], trainer_state: RewardState,

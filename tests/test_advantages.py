@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rlcore.losses.advantages import check_reward_funcs, compute_advantages, score_completions
+from rlcore.rewards import RewardFunctionError
 
 NAN = float("nan")
 
@@ -154,6 +155,40 @@ def fails_on_bb(prompts, completions, **kwargs):
 def test_raising_function_names_itself_and_the_sample():
     with pytest.raises(RuntimeError, match=r"fails_on_bb raised ZeroDivisionError.*sample 1.*'p1'.*'bb'"):
         score_completions([fails_on_bb], PROMPTS, COMPLETIONS, COLUMNS)
+
+
+def parse_int(text):
+    return int(text)  # ValueError on "x"
+
+
+def raises_in_a_helper(prompts, completions, **kwargs):
+    scores = []
+    for completion in completions:
+        scores.append(parse_int(completion))
+    return scores
+
+
+async def raises_when_awaited(prompts, completions, **kwargs):
+    return raises_in_a_helper(prompts, completions)
+
+
+@pytest.mark.parametrize("func, names", [(raises_in_a_helper, ["raises_in_a_helper", "parse_int"]),
+                                         (raises_when_awaited, ["raises_when_awaited", "raises_in_a_helper",
+                                                                "parse_int"])])
+def test_reward_function_error_keeps_only_the_functions_own_frames(func, names):
+    with pytest.raises(RuntimeError, match="raised ValueError: invalid literal.*on sample 1") as caught:
+        score_completions([func], ["p0", "p1"], ["1", "x"], {})
+    err = RewardFunctionError(str(caught.value), caught.value.__cause__)  # rlcore's and asyncio's frames left out
+    assert isinstance(err, RuntimeError) and str(err) == str(caught.value)
+    assert [frame.name for frame in err.frames] == names and {frame.filename for frame in err.frames} == {__file__}
+    assert err.trace.startswith("Traceback of the reward function (most recent call last):\n")
+    assert err.trace.count('File "') == len(names)
+    assert f'line {parse_int.__code__.co_firstlineno + 1}, in parse_int\n    return int(text)' in err.trace
+
+
+def test_reward_function_error_without_the_error_has_no_frames():
+    err = RewardFunctionError("reward function f raised ValueError: no on sample 0")
+    assert list(err.frames) == [] and err.trace == ""
 
 
 def test_on_error_none_scores_only_the_failing_sample_as_nan():
