@@ -225,7 +225,7 @@ def test_get_reward_funcs_says_a_config_cannot_hold_a_lambda_or_expression(name,
 def test_a_reward_module_shadowed_by_the_standard_library_names_both_files(tmp_path, monkeypatch):
     import code  # the standard library's, which the user's code.py below cannot replace
 
-    (tmp_path / "code.py").write_text("def lenr(prompts, completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    (tmp_path / "code.py").write_text("def lenr(prompts, completions, **kwargs):\n    return [1.0] * len(completions)")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path)])  # the current directory last, as the CLI puts it
     with pytest.raises(ValueError, match=rf"module 'code' has no attribute 'lenr'; 'code' was imported from "
@@ -237,6 +237,6 @@ def test_a_reward_module_shadowed_by_the_standard_library_names_both_files(tmp_p
 def test_a_missing_function_names_the_imported_file_and_the_nearest_name(tmp_path, monkeypatch):
     (tmp_path / "typo_rewards.py").write_text("def length_reward(prompts, completions, **kwargs):\n    return []\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ValueError, match=rf"'typo_rewards' was imported from {re.escape(str(tmp_path))}.typo_rewards.py; "
-                                         r"did you mean 'length_reward'\?"):
+    with pytest.raises(ValueError, match=rf"'typo_rewards' was imported from {re.escape(str(tmp_path))}.typo_rewards"
+                                         r".py; did you mean 'length_reward'\?"):
         get_reward_funcs(["typo_rewards:length_rewrd"])
