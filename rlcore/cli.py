@@ -117,6 +117,7 @@ def run_command(argv: list[str] | None = None) -> int:
         return 2
 
     from rlcore import distributed
+    from rlcore.rewards import RewardFunctionError
     from rlcore.train import train
 
     run = Path(cfg.train.output_dir)
@@ -133,6 +134,9 @@ def run_command(argv: list[str] | None = None) -> int:
     t0 = time.time()
     try:
         result = train(cfg, resume=args.resume)
+    except RewardFunctionError as e:  # the user's function failed: its own frames, not rlcore's
+        print(f"rlcore: error: {e}\n{e.trace}", end="", file=sys.stderr)
+        return 1
     except (ValueError, TypeError, OSError, FloatingPointError) as e:
         # Bad input (checkpoint, data, reward function output, run directory) or a diverged run:
         # the message names the problem and the value; a traceback would only bury it.

@@ -153,8 +153,10 @@ def fails_on_bb(prompts, completions, **kwargs):
 
 
 def test_raising_function_names_itself_and_the_sample():
-    with pytest.raises(RuntimeError, match=r"fails_on_bb raised ZeroDivisionError.*sample 1.*'p1'.*'bb'"):
+    with pytest.raises(RewardFunctionError, match=r"fails_on_bb raised ZeroDivisionError.*sample 1.*'p1'.*'bb'") as e:
         score_completions([fails_on_bb], PROMPTS, COMPLETIONS, COLUMNS)
+    assert e.value.frames[0].name == "fails_on_bb"  # the function's own frames, none of rlcore's
+    assert {frame.filename for frame in e.value.frames} == {__file__}
 
 
 def parse_int(text):
@@ -345,3 +347,16 @@ def test_check_reward_funcs_finds_a_bad_signature_without_scoring():
     check_reward_funcs([trl_style], keywords)  # takes exactly what is passed: fine
     with pytest.raises(TypeError, match=r"needs_difficulty cannot be called .*'difficulty'"):
         check_reward_funcs([trl_style, needs_difficulty], keywords)
+
+
+def test_a_class_is_not_a_reward_function_but_its_instance_is():
+    class Length:
+        def __call__(self, prompts, completions, **kwargs):
+            return [float(len(c)) for c in completions]
+
+    with pytest.raises(TypeError, match=r"reward function Length is a class; .*an instance \(reward = Length\(\)\)"):
+        check_reward_funcs([Length], ["prompts", "completions"])
+    with pytest.raises(TypeError, match=r"reward function Length is a class"):
+        score_completions([Length], PROMPTS, COMPLETIONS, COLUMNS)
+    torch.testing.assert_close(score_completions([Length()], PROMPTS, COMPLETIONS, COLUMNS),
+                               torch.tensor([[1.0], [2.0], [3.0]]))

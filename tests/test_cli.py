@@ -336,3 +336,12 @@ def test_resume_names_the_runs_config_when_it_is_wrong_and_survives_a_deleted_me
     assert main(["train", "--resume", str(run), "--set", "train.max_steps=2"]) == 0
     assert "metrics.jsonl is missing: its rows up to step 1 are lost" in capsys.readouterr().err
     assert [r["step"] for r in rows(run)] == [2]
+
+
+def test_a_reward_function_that_raises_prints_its_message_and_its_own_frames_only(tmp_path, capsys):
+    assert main(cli_args(tmp_path / "run", "train.max_steps=1", "loss.reward_funcs=['test_train:explode']")) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("rlcore: error: reward function explode raised ValueError: this reward always fails on "
+                          "sample 0"), err
+    assert "Traceback of the reward function (most recent call last):" in err and "test_train.py" in err
+    assert "rlcore/" not in err.replace("rlcore/tests", "")  # none of rlcore's frames

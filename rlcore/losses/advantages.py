@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping, Sequence, Set
 import torch
 from torch import Tensor
 
+from rlcore.rewards import RewardFunctionError
+
 FLOAT32_MAX = torch.finfo(torch.float32).max  # rewards are stored as float32
 SCALE_REWARDS = {"group": "group", True: "group", "batch": "batch", "none": "none", False: "none"}
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
@@ -35,7 +37,8 @@ def score_completions(
     async function is awaited. It must return one number (bools count as 0/1) or None per
     completion, as a list, tuple, numpy array or 1-D tensor; NaN counts as None (TRL turns None
     into NaN); an infinite score, or one past float32's range, is an error. A function that
-    raises is re-run one sample at a time to name the offending sample; with on_error="none" the
+    raises is re-run one sample at a time to name the offending sample in a RewardFunctionError,
+    which holds the function's own traceback frames; with on_error="none" the
     failing samples score None instead. A function whose signature cannot take these arguments is an error
     either way.
     """
@@ -73,7 +76,10 @@ def _name(fn: Callable) -> str:
 def _arguments_for(fn: Callable, name: str, available: dict) -> dict:
     """The keyword arguments of `available` that `fn` takes: all of them with **kwargs (as TRL
     requires), else those it names. Raises TypeError, naming the parameter, when `fn` requires
-    one that is not available."""
+    one that is not available, or when `fn` is a class (a call would construct it, not score)."""
+    if inspect.isclass(fn):
+        raise TypeError(f"reward function {name} is a class; calling it would create an object, not score the "
+                        f"completions: pass an instance (reward = {name}()), whose __call__ scores")
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # some builtins and C callables have none: pass everything
@@ -140,16 +146,16 @@ def _score_one_by_one(fn, name, kwargs, per_row, n, on_error, batch_err) -> list
             if on_error == "none":
                 values.append(None)
                 continue
-            raise RuntimeError(
+            raise RewardFunctionError(
                 f"reward function {name} raised {type(err).__name__}: {err} on sample {i}: "
                 f"prompt={_short(kwargs.get('prompts', ['?'] * n)[i])}, "
                 f"completion={_short(kwargs.get('completions', ['?'] * n)[i])}. Fix the "
                 "function, or score failures as None (on_error='none'; in a config: --set "
-                "loss.reward_on_error=none)") from err
+                "loss.reward_on_error=none)", err) from err
         values += _check_scores(name, value, 1, [kwargs.get("completions", ["?"] * n)[i]])
     if on_error == "raise":
-        raise RuntimeError(f"reward function {name} raised {type(batch_err).__name__}: {batch_err} "
-                           f"on the batch of {n} but on no single sample") from batch_err
+        raise RewardFunctionError(f"reward function {name} raised {type(batch_err).__name__}: {batch_err} "
+                                  f"on the batch of {n} but on no single sample", batch_err) from batch_err
     return values
 
 
