@@ -8,6 +8,7 @@ functions receive the columns as keyword arguments.
 
 from __future__ import annotations
 
+import codecs
 import json
 import random
 import re
@@ -30,7 +31,8 @@ def final_answer(answer: str) -> str:
 
 def load_jsonl(path: str, prompt_column: str = "prompt", answer_column: str | None = "answer",
                key: str = "data.path") -> list[dict]:
-    """One example per non-blank line of the JSONL file at `path` (the config's `key`).
+    """One example per non-blank line of the UTF-8 JSONL file at `path` (the config's `key`;
+    a byte-order mark at the start is skipped).
 
     `prompt_column` must hold a string or a list of `{"role", "content"}` messages and becomes
     `prompt`; `answer_column` (None or "" = the dataset has no answers) must hold a string or a
@@ -46,6 +48,8 @@ def load_jsonl(path: str, prompt_column: str = "prompt", answer_column: str | No
     with open(p, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"
+            if lineno == 1:
+                raw = raw.removeprefix(codecs.BOM_UTF8)  # as pandas and datasets read it (Windows editors write one)
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:

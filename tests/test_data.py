@@ -100,6 +100,12 @@ def test_a_line_that_is_not_utf8_names_file_line_and_byte(tmp_path):
         load_jsonl(str(path))
 
 
+def test_a_utf8_bom_at_the_start_is_read_past_as_pandas_does(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n')
+    assert [ex["prompt"] for ex in load_jsonl(str(path))] == ["a", "b"]  # was: "Unexpected UTF-8 BOM"
+
+
 def test_empty_file_is_named(tmp_path):
     with pytest.raises(DataError, match=r"data\.jsonl has no examples"):
         load_jsonl(write_jsonl(tmp_path, ["", ""]))
