@@ -22,6 +22,17 @@ class DataError(ValueError):
     """A dataset that cannot be used; the message names the file, the line and the fix."""
 
 
+# Files that are not JSON Lines, known by their first bytes: what the file is and what to do.
+# {path} is the file, {out} a new .jsonl file beside it, {key} the config option.
+NOT_JSONL = {
+    b"\x1f\x8b": "is gzip-compressed; decompress it (gunzip -c {path} > {out}) and set {key} = {out}",
+    b"PK\x03\x04": "is a zip archive; unzip it and set {key} to the JSONL file inside",
+    b"PAR1": ("is a Parquet file, not JSON Lines; convert it, with pandas: pd.read_parquet('{path}')"
+              ".to_json('{out}', orient='records', lines=True), or with datasets: Dataset.from_parquet("
+              "'{path}').to_json('{out}'); then set {key} = {out}"),
+}
+
+
 def final_answer(answer: str) -> str:
     """GSM8K style `"...reasoning... #### 1,234"` -> `"1234"`; any other string unchanged (stripped)."""
     if "####" not in answer:
@@ -46,6 +57,11 @@ def load_jsonl(path: str, prompt_column: str = "prompt", answer_column: str | No
                         f"(one JSON object per line)")
     examples = []
     with open(p, "rb") as f:
+        head = f.read(4)
+        for magic, problem in NOT_JSONL.items():
+            if head.startswith(magic):
+                raise DataError(f"dataset file {path} " + problem.format(path=path, out=_jsonl_beside(p), key=key))
+        f.seek(0)
         for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"
             if lineno == 1:
@@ -70,6 +86,12 @@ def load_jsonl(path: str, prompt_column: str = "prompt", answer_column: str | No
         raise DataError(f"dataset file {path} has no examples (it is empty or blank); "
                         f"write one JSON object per line")
     return examples
+
+
+def _jsonl_beside(p: Path) -> Path:
+    """A name for the JSONL version of file `p`: data.jsonl.gz -> data.jsonl, never `p` itself."""
+    out = p.with_name(p.name.split(".")[0] + ".jsonl")
+    return out if out != p else p.with_name(p.name + ".jsonl")
 
 
 def _example(row: dict, where: str, prompt_column: str, answer_column: str | None) -> dict:

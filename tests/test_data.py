@@ -1,7 +1,10 @@
 """JSONL loading (errors name the file and line), GSM8K answers, the train/eval split, prompt formatting."""
 
+import gzip
+import io
 import json
 import string
+import zipfile
 
 import pytest
 
@@ -104,6 +107,38 @@ def test_a_utf8_bom_at_the_start_is_read_past_as_pandas_does(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_bytes(b'\xef\xbb\xbf{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n')
     assert [ex["prompt"] for ex in load_jsonl(str(path))] == ["a", "b"]  # was: "Unexpected UTF-8 BOM"
+
+
+@pytest.mark.parametrize("name, make, message", [
+    ("data.jsonl.gz", lambda rows: gzip.compress(rows),
+     r"data\.jsonl\.gz is gzip-compressed; decompress it \(gunzip -c \S*data\.jsonl\.gz > \S*data\.jsonl\) "
+     r"and set data\.path = \S*data\.jsonl$"),
+    ("data.zip", lambda rows: zip_of(rows),
+     r"data\.zip is a zip archive; unzip it and set data\.path to the JSONL file inside$"),
+    ("train.parquet", lambda rows: b"PAR1" + rows + b"PAR1",
+     r"train\.parquet is a Parquet file, not JSON Lines; convert it, with pandas: pd\.read_parquet\('\S*train\.parquet'\)"
+     r"\.to_json\('\S*train\.jsonl', orient='records', lines=True\), or with datasets: "
+     r"Dataset\.from_parquet\('\S*train\.parquet'\)\.to_json\('\S*train\.jsonl'\); then set data\.path = "),
+])
+def test_a_compressed_or_parquet_file_is_named_with_how_to_make_jsonl(tmp_path, name, make, message):
+    path = tmp_path / name  # each was: "not UTF-8 text ...; save the file as UTF-8"
+    path.write_bytes(make(b'{"prompt": "a", "answer": "1"}\n'))
+    with pytest.raises(DataError, match=message):
+        load_jsonl(str(path))
+
+
+def zip_of(data: bytes) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as z:
+        z.writestr("data.jsonl", data)
+    return buffer.getvalue()
+
+
+def test_the_gunzip_suggestion_never_overwrites_the_file(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(gzip.compress(b'{"prompt": "a", "answer": "1"}\n'))
+    with pytest.raises(DataError, match=r"gunzip -c \S*data\.jsonl > \S*data\.jsonl\.jsonl\)"):
+        load_jsonl(str(path))
 
 
 def test_empty_file_is_named(tmp_path):
