@@ -73,6 +73,11 @@ def load_jsonl(path: str, prompt_column: str = "prompt", answer_column: str | No
                                 f"{e.start + 1}); save the file as UTF-8") from None
             if not line.strip():
                 continue
+            if not examples and line.lstrip().startswith("[") and _is_json_array(p):
+                out = _jsonl_beside(p)
+                raise DataError(f"dataset file {path} is a JSON array of objects, not JSON Lines; write one "
+                                f"object per line, e.g. jq -c '.[]' {path} > {out} (or json.dumps each element "
+                                f"of json.load in Python), and set {key} = {out}")
             try:
                 row = json.loads(line.rstrip("\r\n"))  # with the newline, an error at the end is "line 2"
             except json.JSONDecodeError as e:
@@ -86,6 +91,15 @@ def load_jsonl(path: str, prompt_column: str = "prompt", answer_column: str | No
         raise DataError(f"dataset file {path} has no examples (it is empty or blank); "
                         f"write one JSON object per line")
     return examples
+
+
+def _is_json_array(p: Path) -> bool:
+    """Whether the whole file is one JSON array of objects, e.g. pandas' to_json(orient='records')."""
+    try:
+        rows = json.loads(p.read_text(encoding="utf-8-sig"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(rows, list) and bool(rows) and all(isinstance(row, dict) for row in rows)
 
 
 def _jsonl_beside(p: Path) -> Path:

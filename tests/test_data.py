@@ -141,6 +141,25 @@ def test_the_gunzip_suggestion_never_overwrites_the_file(tmp_path):
         load_jsonl(str(path))
 
 
+@pytest.mark.parametrize("text", [
+    '[{"prompt": "a", "answer": "1"},\n {"prompt": "b", "answer": "2"}]\n',  # was: "arr.json:1: not valid JSON"
+    '[\n  {\n    "prompt": "a",\n    "answer": "1"\n  }\n]',
+    '[{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]',  # was: "arr.json:1: a JSON list"
+])
+def test_a_json_array_file_is_named_with_how_to_make_jsonl(tmp_path, text):
+    path = tmp_path / "arr.json"
+    path.write_text(text)
+    with pytest.raises(DataError, match=r"arr\.json is a JSON array of objects, not JSON Lines; write one object per "
+                                        r"line, e\.g\. jq -c '\.\[\]' \S*arr\.json > \S*arr\.jsonl .* set data\.path"):
+        load_jsonl(str(path))
+
+
+def test_lines_that_each_hold_a_list_are_not_called_a_json_array(tmp_path):
+    path = write_jsonl(tmp_path, [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]])
+    with pytest.raises(DataError, match=r"data\.jsonl:1: a JSON list, expected an object"):
+        load_jsonl(path)
+
+
 def test_empty_file_is_named(tmp_path):
     with pytest.raises(DataError, match=r"data\.jsonl has no examples"):
         load_jsonl(write_jsonl(tmp_path, ["", ""]))
