@@ -33,6 +33,16 @@ NOT_JSONL = {
 }
 
 
+class Example(dict):
+    """A JSONL row as `load_jsonl` returns it, and `source`, its "file:line", for the errors found
+    once the prompt is formatted. An attribute, not a key: every key is a column that the reward
+    functions get."""
+
+    def __init__(self, row: dict, source: str):
+        super().__init__(row)
+        self.source = source
+
+
 def final_answer(answer: str) -> str:
     """GSM8K style `"...reasoning... #### 1,234"` -> `"1234"`; any other string unchanged (stripped)."""
     if "####" not in answer:
@@ -135,7 +145,7 @@ def _example(row: dict, where: str, prompt_column: str, answer_column: str | Non
                             f"{type(raw).__name__}; expected a string, a number, or null for a row "
                             f"without a reference answer")
         answer = final_answer(raw) if isinstance(raw, str) else None if raw is None else str(raw)
-    return {**row, "prompt": prompt, "answer": answer}
+    return Example({**row, "prompt": prompt, "answer": answer}, where)
 
 
 def load_examples(data) -> tuple[list[dict], list[dict]]:
@@ -186,13 +196,15 @@ def format_prompt(example: dict, tokenizer, system_prompt: str | None = None,
 
 def encode_prompts(examples: list[dict], tokenizer, system_prompt: str | None, use_chat_template: bool,
                    max_prompt_length: int, chat_template_kwargs: dict | None = None) -> list[list[int]]:
-    """`format_prompt` for each example; a prompt over `max_prompt_length` tokens is an error naming it."""
+    """`format_prompt` for each example; a prompt over `max_prompt_length` tokens is an error naming
+    its file and line (a synthetic task's: its index and text)."""
     out = []
     for i, ex in enumerate(examples):
         ids = format_prompt(ex, tokenizer, system_prompt, use_chat_template, chat_template_kwargs)
         if len(ids) > max_prompt_length:
-            raise DataError(f"example {i} (prompt {str(ex['prompt'])[:60]!r}...) is {len(ids)} tokens "
-                            f"after formatting, over data.max_prompt_length = {max_prompt_length}; "
-                            f"raise data.max_prompt_length or drop long prompts from the data")
+            source = getattr(ex, "source", None)  # a JSONL row's file:line; a synthetic task's have none
+            what = f"{source}: prompt" if source else f"example {i} (prompt {str(ex['prompt'])[:60]!r}...)"
+            raise DataError(f"{what} is {len(ids)} tokens after formatting, over data.max_prompt_length = "
+                            f"{max_prompt_length}; raise data.max_prompt_length or drop long prompts from the data")
         out.append(ids)
     return out

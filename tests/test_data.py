@@ -283,8 +283,21 @@ def test_chat_messages_without_template_are_an_error(char_tokenizer):
         format_prompt({"prompt": [{"role": "user", "content": "U"}]}, char_tokenizer())
 
 
-def test_encode_prompts_rejects_a_prompt_over_max_prompt_length(char_tokenizer):
+def test_a_synthetic_prompt_over_max_prompt_length_is_named_by_index_and_text(char_tokenizer):
     examples = [{"prompt": "1+1="}, {"prompt": "12345+67890="}]
     with pytest.raises(DataError, match=r"example 1 \(prompt '12345\+67890='.*is 12 tokens.*"
                                         r"data\.max_prompt_length = 8"):
         encode_prompts(examples, char_tokenizer(), None, True, max_prompt_length=8)
+
+
+def test_a_jsonl_prompt_over_max_prompt_length_is_named_by_file_and_line(tmp_path, char_tokenizer):
+    rows = [{"prompt": "x" * (800 if i == 19 else 5), "answer": "1"} for i in range(40)]
+    train, _ = load_examples(DataArgs(task="jsonl", path=write_jsonl(tmp_path, rows, "huge.jsonl"), num_eval=4))
+    with pytest.raises(DataError, match=r"huge\.jsonl:20: prompt is 800 tokens after formatting, over "
+                                        r"data\.max_prompt_length = 512; raise"):  # was: "example 29 (prompt ...)"
+        encode_prompts(train, char_tokenizer(), None, True, max_prompt_length=512)
+
+
+def test_the_source_line_is_not_a_column(tmp_path):
+    example = load_jsonl(write_jsonl(tmp_path, [{"prompt": "a", "answer": "1"}]))[0]
+    assert example == {"prompt": "a", "answer": "1"} and example.source.endswith("data.jsonl:1")
