@@ -52,6 +52,8 @@ import tokenizers
 # Message keys that carry a reasoning trace; transformers copies the first one it finds to
 # "thinking" and "reasoning_content", the names templates read (Qwen3 reads reasoning_content).
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# continue_final_message puts this after the final message and cuts the rendered text there (transformers' tag)
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 def read_json(path: Path) -> dict:
@@ -261,7 +263,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tokenize: bool = False, chat_template: str | None = None,
-                            **kwargs) -> str | list[int]:
+                            continue_final_message: bool = False, **kwargs) -> str | list[int]:
         """Render `messages` ([{"role": ..., "content": ...}, ...]) with the checkpoint's chat template.
 
         As transformers' `apply_chat_template`, except that add_generation_prompt defaults to True
@@ -270,7 +272,15 @@ class Tokenizer:
         `tools=None`, `documents=None` and `kwargs`, which override the rest. With tokenize=True the
         text is encoded without adding special tokens: templates write BOS themselves.
         `chat_template` renders with that template text instead of the checkpoint's.
+        `continue_final_message` (with add_generation_prompt=False) leaves the final message open for
+        the model to continue, e.g. an assistant prefill "<think>": as in transformers, the text is
+        rendered with CONTINUE_TAG after that message's content and cut there (a template that trims
+        the content has also trimmed the space after the tag: then the text is cut and right-stripped).
         """
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt are both set: the first continues "
+                             "the final message, the second starts a new assistant turn; pass "
+                             "add_generation_prompt=False")
         template = chat_template or self.chat_template
         if template is None:
             raise ValueError(f"{self.source} has no chat template (no chat_template.jinja, no 'chat_template' in "
@@ -286,6 +296,12 @@ class Tokenizer:
             if reasoning is not None:
                 message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
             chat.append(message)
+        if continue_final_message:
+            final = chat[-1].get("content")
+            if not isinstance(final, str):
+                raise ValueError(f"continue_final_message needs the final message's content as a string, not "
+                                 f"{final!r}")
+            chat[-1] = {**chat[-1], "content": final + CONTINUE_TAG}
         variables = {**self.special_tokens, "tools": None, "documents": None, **kwargs}
         where = "the chat_template given" if chat_template else f"{self.source}'s chat template"
         try:
@@ -301,6 +317,13 @@ class Tokenizer:
                     "which some templates refuse: drop it or fold it into the user message."
                     if "system" in roles else "")
             raise ValueError(f"{where} refused the conversation with roles {roles}: {e}.{hint}") from None
+        if continue_final_message:
+            if final.strip() not in text or CONTINUE_TAG.strip() not in text:
+                raise ValueError(f"{where} drops or rewrites the final message ({chat[-1].get('role')!r}, "
+                                 f"{final.strip()[:60]!r}), so it cannot be continued (continue_final_message); "
+                                 f"end the conversation with a message the template renders as it is")
+            cut = text.rindex(CONTINUE_TAG.strip())
+            text = text[:cut] if text.startswith(CONTINUE_TAG, cut) else text[:cut].rstrip()
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 

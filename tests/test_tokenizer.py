@@ -371,6 +371,33 @@ def test_chat_template_matches_transformers(tmp_path, case, add_generation_promp
     assert_chat_matches(ours, ref, MESSAGES[1:3], add_generation_prompt=add_generation_prompt)
 
 
+@pytest.mark.parametrize("case", CHAT_CASES)
+@pytest.mark.parametrize("prefill", ["<think>", "<think>\n ", "  Let me see: 2 + 2", ""])
+def test_continue_final_message_matches_transformers(tmp_path, case, prefill):
+    """The conversation is left open inside the final message; Llama 3's templates trim the content,
+    and transformers then cuts the trailing whitespace too."""
+    ours, ref = load_both(chat_checkpoint(tmp_path, case))
+    messages = [*MESSAGES[:2], {"role": "assistant", "content": prefill}]
+    assert_chat_matches(ours, ref, messages, add_generation_prompt=False, continue_final_message=True)
+    assert ours.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True).endswith(
+        prefill.strip() if case.startswith("llama") else prefill)
+
+
+def test_continue_final_message_and_add_generation_prompt_together_are_an_error(tmp_path):
+    ours = Tokenizer.from_dir(chat_checkpoint(tmp_path, "qwen2.5"))
+    with pytest.raises(ValueError, match=r"continue_final_message and add_generation_prompt are both set.*"
+                                         r"pass add_generation_prompt=False"):
+        ours.apply_chat_template(MESSAGES[:2], continue_final_message=True)
+
+
+def test_continue_final_message_a_template_drops_is_an_error_naming_it(tmp_path):
+    ours = Tokenizer.from_dir(chat_checkpoint(tmp_path, "qwen2.5"))  # Qwen2.5's template skips unknown roles
+    with pytest.raises(ValueError, match=r"chat template drops or rewrites the final message \('gpt', '<think>'\), "
+                                         r"so it cannot be continued"):
+        ours.apply_chat_template([MESSAGES[1], {"role": "gpt", "content": "<think>"}], add_generation_prompt=False,
+                                 continue_final_message=True)
+
+
 def test_qwen_template_writes_its_default_system_message(tmp_path):
     ours, ref = load_both(chat_checkpoint(tmp_path, "qwen2.5"))
     text = ours.apply_chat_template([{"role": "user", "content": "hi"}])
