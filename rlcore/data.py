@@ -174,24 +174,43 @@ def format_prompt(example: dict, tokenizer, system_prompt: str | None = None,
                   use_chat_template: bool = True, chat_template_kwargs: dict | None = None) -> list[int]:
     """Token ids of the prompt, ready for generation.
 
-    With a chat template (and `use_chat_template`): the system message (if any) and the prompt
-    as the user message, rendered with the generation prompt appended and the template
-    variables `chat_template_kwargs` (e.g. Qwen3's enable_thinking). Without one: the plain
-    text, preceded by the system prompt and a blank line when there is one.
+    With a chat template (and `use_chat_template`): the system message (if any) and the prompt (a
+    string is the user message), rendered with the template variables `chat_template_kwargs` (e.g.
+    Qwen3's enable_thinking) as TRL's apply_chat_template renders a prompt: one that ends with a
+    user or tool message gets the generation prompt; one that ends with an assistant message (a
+    prefill such as "<think>") is continued (continue_final_message); another last role is an error.
+    Without one: the plain text, preceded by the system prompt and a blank line when there is one.
     """
     prompt = example["prompt"]
+    where = getattr(example, "source", None) or f"prompt {str(prompt)[:60]!r}"
     if use_chat_template and getattr(tokenizer, "chat_template", None):
         messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        last = messages[-1]["role"]
+        if last not in ("user", "tool", "assistant"):
+            raise DataError(f"{where}: the prompt ends with a message of role {last!r}; as in TRL it must end with "
+                            f"a 'user' or 'tool' message, which the model answers, or an 'assistant' message, "
+                            f"which it continues; {_role_fix(last)}")
         if system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system_prompt})
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                            **(chat_template_kwargs or {}))
+        prefill = last == "assistant"
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=not prefill, tokenize=True,
+                                                continue_final_message=prefill, **(chat_template_kwargs or {}))
+        except ValueError as e:  # the template refused the conversation, or drops the message to continue
+            raise DataError(f"{where}: {e}") from None
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
     if isinstance(prompt, list):
         raise DataError(f"prompt {str(prompt)[:60]!r} is a list of chat messages but the tokenizer "
                         f"has no chat template (or data.use_chat_template is false); use a "
                         f"checkpoint with a chat template, or plain-string prompts")
     return list(tokenizer.encode(f"{system_prompt}\n\n{prompt}" if system_prompt else prompt))
+
+
+def _role_fix(role: str) -> str:
+    """What to do about a message whose role a chat template does not take."""
+    if role in ("human", "gpt"):
+        return "'human' and 'gpt' are ShareGPT roles: rename them 'user' and 'assistant'"
+    return "use the roles chat templates know: system, user, assistant, tool"
 
 
 def encode_prompts(examples: list[dict], tokenizer, system_prompt: str | None, use_chat_template: bool,

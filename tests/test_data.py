@@ -263,6 +263,30 @@ def test_format_prompt_takes_chat_message_prompts_as_they_are(char_tokenizer):
     assert tok.decode(ids) == "<system>S\n<user>U\n<assistant>"
 
 
+def test_a_prompt_ending_in_an_assistant_message_is_continued(char_tokenizer):
+    """A prefill: the model writes on from "<think>" (TRL's continue_final_message), rather than after
+    a closed assistant turn and a new generation prompt (was: "<assistant><think>\\n<assistant>")."""
+    tok = char_tokenizer(TEMPLATE)
+    prompt = [{"role": "user", "content": "40+28="}, {"role": "assistant", "content": "<think>"}]
+    assert tok.decode(format_prompt({"prompt": prompt}, tok)) == "<user>40+28=\n<assistant><think>"
+
+
+def test_a_tool_message_last_gets_the_generation_prompt(char_tokenizer):
+    tok = char_tokenizer(TEMPLATE)
+    prompt = [{"role": "user", "content": "1+1="}, {"role": "tool", "content": "2"}]
+    assert tok.decode(format_prompt({"prompt": prompt}, tok)) == "<user>1+1=\n<tool>2\n<assistant>"
+
+
+def test_sharegpt_roles_are_an_error_naming_the_line_and_the_rename(tmp_path, char_tokenizer):
+    path = write_jsonl(tmp_path, [{"prompt": "a", "answer": "1"}, {"prompt": [{"role": "human", "content": "40+28="}],
+                                                                    "answer": "68"}])
+    example = load_jsonl(path)[1]
+    with pytest.raises(DataError, match=r"data\.jsonl:2: the prompt ends with a message of role 'human'; as in TRL "
+                                        r"it must end with a 'user' or 'tool' message.*'human' and 'gpt' are "
+                                        r"ShareGPT roles: rename them 'user' and 'assistant'"):
+        format_prompt(example, char_tokenizer(TEMPLATE))
+
+
 def test_format_prompt_without_template_is_plain_text(char_tokenizer):
     tok = char_tokenizer()
     assert format_prompt({"prompt": "2+2="}, tok) == tok.encode("2+2=")

@@ -17,6 +17,7 @@ import torch
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from rlcore.data import format_prompt
 from rlcore.tokenizer import Tokenizer, check_vocab_fits
 
 transformers = pytest.importorskip("transformers", reason="transformers is the reference tokenizer")
@@ -485,6 +486,32 @@ def test_none_valued_keys_and_reasoning_aliases_match_transformers(tmp_path):
 def test_chat_template_argument_overrides_the_checkpoints(tmp_path):
     ours = Tokenizer.from_dir(qwen_checkpoint(tmp_path))
     assert ours.apply_chat_template(MESSAGES[1:2], chat_template="Q: {{ messages[0].content }}") == "Q: What is 2 + 2?  "
+
+
+# ---- prompts as the loop formats them (rlcore.data.format_prompt) ------------------------------
+
+PROMPTS = {
+    "user": [{"role": "user", "content": "40+28="}],
+    "system+user": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "40+28="}],
+    "multi-turn": MESSAGES,
+    "prefill": [{"role": "user", "content": "40+28="}, {"role": "assistant", "content": "<think>"}],
+}
+
+
+@pytest.mark.parametrize("case", CHAT_CASES)
+@pytest.mark.parametrize("kind", PROMPTS)
+def test_format_prompt_renders_a_prompt_as_trl_does(tmp_path, case, kind):
+    """TRL's apply_chat_template: the generation prompt after a user message; an assistant message
+    last is continued (transformers' continue_final_message)."""
+    data_utils = pytest.importorskip("trl.data_utils", reason="TRL is the reference")
+    ours, ref = load_both(chat_checkpoint(tmp_path, case))
+    messages = PROMPTS[kind]
+    prefill = kind == "prefill"
+    expected = ref.apply_chat_template(messages, add_generation_prompt=not prefill, continue_final_message=prefill,
+                                       tokenize=True, return_dict=False)
+    assert format_prompt({"prompt": messages}, ours) == expected
+    trl_text = data_utils.maybe_apply_chat_template({"prompt": messages}, ref)["prompt"]
+    assert ref.encode(trl_text, add_special_tokens=False) == expected
 
 
 # ---- errors ----------------------------------------------------------------------------------
