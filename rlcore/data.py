@@ -12,7 +12,6 @@ import codecs
 import json
 import random
 import re
-from collections.abc import Mapping
 from pathlib import Path
 
 from rlcore.tasks import TASKS, train_eval_split
@@ -31,6 +30,9 @@ NOT_JSONL = {
               ".to_json('{out}', orient='records', lines=True), or with datasets: Dataset.from_parquet("
               "'{path}').to_json('{out}'); then set {key} = {out}"),
 }
+
+
+SHAREGPT_FIX = "'human' and 'gpt' are ShareGPT roles: rename them 'user' and 'assistant'"
 
 
 class Example(dict):
@@ -179,38 +181,46 @@ def format_prompt(example: dict, tokenizer, system_prompt: str | None = None,
     Qwen3's enable_thinking) as TRL's apply_chat_template renders a prompt: one that ends with a
     user or tool message gets the generation prompt; one that ends with an assistant message (a
     prefill such as "<think>") is continued (continue_final_message); another last role is an error.
+    So is a message whose text is not in the rendered prompt: templates skip roles they do not know
+    (Qwen2.5's skips ShareGPT's "human"), and the model would never see it.
     Without one: the plain text, preceded by the system prompt and a blank line when there is one.
     """
     prompt = example["prompt"]
     where = getattr(example, "source", None) or f"prompt {str(prompt)[:60]!r}"
     if use_chat_template and getattr(tokenizer, "chat_template", None):
         messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        labels = [f"message {i} (role {m['role']!r})" for i, m in enumerate(messages)]
         last = messages[-1]["role"]
         if last not in ("user", "tool", "assistant"):
+            fix = SHAREGPT_FIX if last in ("human", "gpt") else "end it with the user message to answer"
             raise DataError(f"{where}: the prompt ends with a message of role {last!r}; as in TRL it must end with "
                             f"a 'user' or 'tool' message, which the model answers, or an 'assistant' message, "
-                            f"which it continues; {_role_fix(last)}")
+                            f"which it continues; {fix}")
         if system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system_prompt})
+            labels.insert(0, "data.system_prompt")
         prefill = last == "assistant"
         try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=not prefill, tokenize=True,
-                                                continue_final_message=prefill, **(chat_template_kwargs or {}))
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=not prefill, tokenize=False,
+                                                 continue_final_message=prefill, **(chat_template_kwargs or {}))
         except ValueError as e:  # the template refused the conversation, or drops the message to continue
             raise DataError(f"{where}: {e}") from None
-        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+        for label, m in zip(labels, messages):
+            # reasoning templates (Qwen3, DeepSeek-R1) drop an earlier assistant turn's <think>...</think>
+            shown = (m["content"].split("</think>")[-1] if m["role"] == "assistant" else m["content"]).strip()
+            if shown not in text:
+                fix = (SHAREGPT_FIX if m["role"] in ("human", "gpt") else
+                       "this chat template drops system messages: put the text in the user message"
+                       if m["role"] == "system" else
+                       "chat templates render the roles system, user, assistant and tool")
+                raise DataError(f"{where}: {label}: its text {shown[:40]!r} is not in the prompt the chat "
+                                f"template renders, so the model would never see it; {fix}")
+        return list(tokenizer.encode(text, add_special_tokens=False))
     if isinstance(prompt, list):
-        raise DataError(f"prompt {str(prompt)[:60]!r} is a list of chat messages but the tokenizer "
+        raise DataError(f"{where}: the prompt is a list of chat messages but the tokenizer "
                         f"has no chat template (or data.use_chat_template is false); use a "
                         f"checkpoint with a chat template, or plain-string prompts")
     return list(tokenizer.encode(f"{system_prompt}\n\n{prompt}" if system_prompt else prompt))
-
-
-def _role_fix(role: str) -> str:
-    """What to do about a message whose role a chat template does not take."""
-    if role in ("human", "gpt"):
-        return "'human' and 'gpt' are ShareGPT roles: rename them 'user' and 'assistant'"
-    return "use the roles chat templates know: system, user, assistant, tool"
 
 
 def encode_prompts(examples: list[dict], tokenizer, system_prompt: str | None, use_chat_template: bool,

@@ -116,9 +116,10 @@ def test_a_utf8_bom_at_the_start_is_read_past_as_pandas_does(tmp_path):
     ("data.zip", lambda rows: zip_of(rows),
      r"data\.zip is a zip archive; unzip it and set data\.path to the JSONL file inside$"),
     ("train.parquet", lambda rows: b"PAR1" + rows + b"PAR1",
-     r"train\.parquet is a Parquet file, not JSON Lines; convert it, with pandas: pd\.read_parquet\('\S*train\.parquet'\)"
-     r"\.to_json\('\S*train\.jsonl', orient='records', lines=True\), or with datasets: "
-     r"Dataset\.from_parquet\('\S*train\.parquet'\)\.to_json\('\S*train\.jsonl'\); then set data\.path = "),
+     r"train\.parquet is a Parquet file, not JSON Lines; convert it, with pandas: "
+     r"pd\.read_parquet\('\S*train\.parquet'\)\.to_json\('\S*train\.jsonl', orient='records', lines=True\), "
+     r"or with datasets: Dataset\.from_parquet\('\S*train\.parquet'\)\.to_json\('\S*train\.jsonl'\); "
+     r"then set data\.path = "),
 ])
 def test_a_compressed_or_parquet_file_is_named_with_how_to_make_jsonl(tmp_path, name, make, message):
     path = tmp_path / name  # each was: "not UTF-8 text ...; save the file as UTF-8"
@@ -285,6 +286,43 @@ def test_sharegpt_roles_are_an_error_naming_the_line_and_the_rename(tmp_path, ch
                                         r"it must end with a 'user' or 'tool' message.*'human' and 'gpt' are "
                                         r"ShareGPT roles: rename them 'user' and 'assistant'"):
         format_prompt(example, char_tokenizer(TEMPLATE))
+
+
+# like Qwen2.5's template: messages of other roles are skipped
+KNOWN_ROLES = ("{% for m in messages %}{% if m['role'] in ['system', 'user', 'assistant'] %}<{{ m['role'] }}>"
+               "{{ m['content'] }}\n{% endif %}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "40+28="}],
+     r"data\.jsonl:1: message 0 \(role 'developer'\): its text 'Be brief\.' is not in the prompt the chat template "
+     r"renders, so the model would never see it; chat templates render the roles system, user, assistant and tool"),
+    ([{"role": "human", "content": "40+28="}, {"role": "gpt", "content": "68"}, {"role": "user", "content": "2+2="}],
+     r"data\.jsonl:1: message 0 \(role 'human'\): its text '40\+28=' is not in the prompt .*'human' and 'gpt' are "
+     r"ShareGPT roles: rename them 'user' and 'assistant'"),
+])
+def test_a_message_the_template_drops_is_an_error_naming_line_index_and_role(tmp_path, char_tokenizer, prompt,
+                                                                              message):
+    example = load_jsonl(write_jsonl(tmp_path, [{"prompt": prompt, "answer": "68"}]))[0]
+    with pytest.raises(DataError, match=message):  # was: trained on a prompt without it
+        format_prompt(example, char_tokenizer(KNOWN_ROLES))
+
+
+def test_a_system_prompt_the_template_drops_is_an_error_naming_data_system_prompt(char_tokenizer):
+    tok = char_tokenizer("{% for m in messages if m['role'] != 'system' %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(DataError, match=r"prompt '40\+28=': data\.system_prompt: its text 'Be brief\.' is not in "
+                                        r"the prompt .*drops system messages: put the text in the user message"):
+        format_prompt({"prompt": "40+28="}, tok, system_prompt="Be brief.")
+
+
+def test_an_earlier_turns_reasoning_may_be_dropped_by_the_template(char_tokenizer):
+    """As Qwen3's and DeepSeek-R1's templates render an assistant turn: without its <think> block."""
+    tok = char_tokenizer("{% for m in messages %}{% set c = m['content'] %}{% if m['role'] == 'assistant' %}"
+                         "{% set c = c.split('</think>')[-1].lstrip() %}{% endif %}<{{ m['role'] }}>{{ c }}\n"
+                         "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    prompt = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "<think>easy</think>\n2"},
+              {"role": "user", "content": "2+2="}]
+    assert tok.decode(format_prompt({"prompt": prompt}, tok)) == "<user>1+1=\n<assistant>2\n<user>2+2=\n<assistant>"
 
 
 def test_format_prompt_without_template_is_plain_text(char_tokenizer):

@@ -514,6 +514,15 @@ def test_format_prompt_renders_a_prompt_as_trl_does(tmp_path, case, kind):
     assert ref.encode(trl_text, add_special_tokens=False) == expected
 
 
+def test_format_prompt_rejects_sharegpt_roles_qwen_drops(tmp_path):
+    """Qwen2.5's template skips roles it does not know: every such prompt rendered alike."""
+    ours = Tokenizer.from_dir(chat_checkpoint(tmp_path, "qwen2.5"))
+    prompt = [{"role": "human", "content": "40+28="}, {"role": "gpt", "content": "68"}, {"role": "user", "content": "2+2="}]
+    with pytest.raises(ValueError, match=r"message 0 \(role 'human'\): its text '40\+28=' is not in the prompt the "
+                                         r"chat template renders.*rename them 'user' and 'assistant'"):
+        format_prompt({"prompt": prompt}, ours)
+
+
 # ---- errors ----------------------------------------------------------------------------------
 
 def test_missing_tokenizer_json_names_the_file(tmp_path):
