@@ -57,10 +57,11 @@ def load_jsonl(path: str, prompt_column: str = "prompt", answer_column: str | No
     """One example per non-blank line of the UTF-8 JSONL file at `path` (the config's `key`;
     a byte-order mark at the start is skipped).
 
-    `prompt_column` must hold a string or a list of `{"role", "content"}` messages and becomes
-    `prompt`; `answer_column` (None or "" = the dataset has no answers) must hold a string or a
-    number (or null: a row without one, which `accuracy` scores None) and becomes `answer`, with
-    a GSM8K-style final answer extracted (`final_answer`). Other columns are kept as they are.
+    `prompt_column` must hold a string or a list of `{"role", "content"}` messages (content: a
+    string, or a list of `{"type": "text", "text"}` parts) and becomes `prompt`; `answer_column`
+    (None or "" = the dataset has no answers) must hold a string or a number (or null: a row
+    without one, which `accuracy` scores None) and becomes `answer`, with a GSM8K-style final
+    answer extracted (`final_answer`). Other columns are kept as they are.
     """
     p = Path(path)
     if not p.is_file():
@@ -126,13 +127,12 @@ def _example(row: dict, where: str, prompt_column: str, answer_column: str | Non
         raise DataError(f"{where}: no column {prompt_column!r} (columns: {columns}); set "
                         f"data.prompt_column to the column that holds the prompt")
     prompt = row[prompt_column]
-    is_messages = isinstance(prompt, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in prompt)
-    if not (isinstance(prompt, str) or (is_messages and prompt)):
+    if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
         raise DataError(f"{where}: column {prompt_column!r} = {str(prompt)[:60]!r} has type "
                         f"{type(prompt).__name__}; expected a string or a list of "
                         f'{{"role": ..., "content": ...}} messages')
+    for i, message in enumerate(prompt if isinstance(prompt, list) else []):
+        _check_message(message, f"{where}: column {prompt_column!r}, message {i}")
     if isinstance(prompt, str) and not prompt.strip():
         raise DataError(f"{where}: column {prompt_column!r} is an empty prompt; drop the row or fill it in")
     answer = None
@@ -148,6 +148,31 @@ def _example(row: dict, where: str, prompt_column: str, answer_column: str | Non
                             f"without a reference answer")
         answer = final_answer(raw) if isinstance(raw, str) else None if raw is None else str(raw)
     return Example({**row, "prompt": prompt, "answer": answer}, where)
+
+
+def _check_message(m, where: str) -> None:
+    """Raise unless `m` is a chat message: a string "role" and a "content" that is text, a string
+    or a list of text parts [{"type": "text", "text": ...}] (the OpenAI form)."""
+    if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m):
+        hint = (' (ShareGPT\'s {"from", "value"}: rename the keys to "role" and "content", and the roles '
+                '"human"/"gpt" to "user"/"assistant")' if isinstance(m, dict) and "from" in m else "")
+        raise DataError(f"{where} = {str(m)[:60]!r} is not a {{\"role\": ..., \"content\": ...}} message{hint}")
+    content = m["content"]
+    if isinstance(content, list):
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise DataError(f"{where} (role {m['role']!r}): content part {str(part)[:60]!r} is not a text part "
+                                f'{{"type": "text", "text": "..."}}; rlcore trains text-only models: drop the part')
+    elif not isinstance(content, str):
+        raise DataError(f"{where} (role {m['role']!r}): content = {str(content)[:60]!r} has type "
+                        f"{type(content).__name__}; expected a string or a list of "
+                        f'{{"type": "text", "text": "..."}} parts')
+
+
+def message_text(content: str | list[dict]) -> str:
+    """A message's text: its content string, or its text parts joined, as the chat templates that
+    read parts (Llama 4, Gemma 3, Mistral 3) join them."""
+    return content if isinstance(content, str) else "".join(part["text"] for part in content)
 
 
 def load_examples(data) -> tuple[list[dict], list[dict]]:
@@ -177,18 +202,20 @@ def format_prompt(example: dict, tokenizer, system_prompt: str | None = None,
     """Token ids of the prompt, ready for generation.
 
     With a chat template (and `use_chat_template`): the system message (if any) and the prompt (a
-    string is the user message), rendered with the template variables `chat_template_kwargs` (e.g.
-    Qwen3's enable_thinking) as TRL's apply_chat_template renders a prompt: one that ends with a
-    user or tool message gets the generation prompt; one that ends with an assistant message (a
-    prefill such as "<think>") is continued (continue_final_message); another last role is an error.
-    So is a message whose text is not in the rendered prompt: templates skip roles they do not know
-    (Qwen2.5's skips ShareGPT's "human"), and the model would never see it.
+    string is the user message; text parts are joined, `message_text`), rendered with the template
+    variables `chat_template_kwargs` (e.g. Qwen3's enable_thinking) as TRL's apply_chat_template
+    renders a prompt: one that ends with a user or tool message gets the generation prompt; one
+    that ends with an assistant message (a prefill such as "<think>") is continued
+    (continue_final_message); another last role is an error. So is a message whose text is not in
+    the rendered prompt: templates skip roles they do not know (Qwen2.5's skips ShareGPT's
+    "human"), and the model would never see it.
     Without one: the plain text, preceded by the system prompt and a blank line when there is one.
     """
     prompt = example["prompt"]
     where = getattr(example, "source", None) or f"prompt {str(prompt)[:60]!r}"
     if use_chat_template and getattr(tokenizer, "chat_template", None):
-        messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        messages = ([{**m, "content": message_text(m["content"])} for m in prompt] if isinstance(prompt, list)
+                    else [{"role": "user", "content": prompt}])
         labels = [f"message {i} (role {m['role']!r})" for i, m in enumerate(messages)]
         last = messages[-1]["role"]
         if last not in ("user", "tool", "assistant"):

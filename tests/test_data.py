@@ -75,6 +75,29 @@ def test_chat_message_prompt_is_accepted(tmp_path):
     assert load_jsonl(path)[0]["prompt"] == messages
 
 
+def test_text_parts_content_is_accepted_and_kept(tmp_path):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "40+28="}]}]  # the OpenAI form
+    path = write_jsonl(tmp_path, [{"prompt": messages, "answer": "68"}])
+    assert load_jsonl(path)[0]["prompt"] == messages  # was: "has type list; expected ... messages"
+
+
+@pytest.mark.parametrize("message, error", [
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]},
+     r"data\.jsonl:1: column 'prompt', message 0 \(role 'user'\): content part \"\{'type': 'image_url'.*\" is not a "
+     r"text part \{\"type\": \"text\", \"text\": \"\.\.\.\"\}; rlcore trains text-only models: drop the part"),
+    ({"role": "user", "content": 12},
+     r"data\.jsonl:1: column 'prompt', message 0 \(role 'user'\): content = '12' has type int; expected a string "
+     r"or a list of \{\"type\": \"text\", \"text\": \"\.\.\.\"\} parts"),
+    ({"from": "human", "value": "40+28="},
+     r"data\.jsonl:1: column 'prompt', message 0 = \"\{'from': 'human'.* is not a \{\"role\": \.\.\., \"content\": "
+     r"\.\.\.\} message \(ShareGPT's \{\"from\", \"value\"\}: rename the keys to \"role\" and \"content\", and "
+     r"the roles \"human\"/\"gpt\" to \"user\"/\"assistant\"\)"),
+])
+def test_a_message_that_is_not_text_names_line_message_and_content(tmp_path, message, error):
+    with pytest.raises(DataError, match=error):
+        load_jsonl(write_jsonl(tmp_path, [{"prompt": [message], "answer": "68"}]))
+
+
 def test_no_answer_column_gives_none_answers(tmp_path):
     path = write_jsonl(tmp_path, [{"prompt": "q"}])
     assert load_jsonl(path, answer_column="")[0]["answer"] is None
@@ -323,6 +346,12 @@ def test_an_earlier_turns_reasoning_may_be_dropped_by_the_template(char_tokenize
     prompt = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "<think>easy</think>\n2"},
               {"role": "user", "content": "2+2="}]
     assert tok.decode(format_prompt({"prompt": prompt}, tok)) == "<user>1+1=\n<assistant>2\n<user>2+2=\n<assistant>"
+
+
+def test_text_parts_render_as_their_joined_text(char_tokenizer):
+    tok = char_tokenizer(TEMPLATE)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "40+"}, {"type": "text", "text": "28="}]}]
+    assert tok.decode(format_prompt({"prompt": parts}, tok)) == "<user>40+28=\n<assistant>"
 
 
 def test_format_prompt_without_template_is_plain_text(char_tokenizer):
