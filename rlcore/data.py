@@ -3,7 +3,8 @@ prompt formatting (chat template when the tokenizer has one).
 
 An example is a dict with `prompt` (a string, or a list of chat messages) and `answer` (a string,
 or None when the dataset has no answers), plus every other column of its JSONL row; reward
-functions receive the columns as keyword arguments.
+functions receive the columns as keyword arguments. A JSONL row's dict is an `Example`, which also
+knows its file and line.
 """
 
 from __future__ import annotations
