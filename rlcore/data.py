@@ -221,9 +221,9 @@ def format_prompt(example: dict, tokenizer, system_prompt: str | None = None,
         last = messages[-1]["role"]
         if last not in ("user", "tool", "assistant"):
             fix = SHAREGPT_FIX if last in ("human", "gpt") else "end it with the user message to answer"
-            raise DataError(f"{where}: the prompt ends with a message of role {last!r}; as in TRL it must end with "
-                            f"a 'user' or 'tool' message, which the model answers, or an 'assistant' message, "
-                            f"which it continues; {fix}")
+            raise DataError(f"{where}: the prompt ends with a message of role {last!r}; as in TRL's "
+                            f"apply_chat_template it must end with a 'user' or 'tool' message, which the model "
+                            f"answers, or an 'assistant' message, which it continues; {fix}")
         if system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system_prompt})
             labels.insert(0, "data.system_prompt")

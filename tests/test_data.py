@@ -305,8 +305,8 @@ def test_sharegpt_roles_are_an_error_naming_the_line_and_the_rename(tmp_path, ch
     path = write_jsonl(tmp_path, [{"prompt": "a", "answer": "1"}, {"prompt": [{"role": "human", "content": "40+28="}],
                                                                     "answer": "68"}])
     example = load_jsonl(path)[1]
-    with pytest.raises(DataError, match=r"data\.jsonl:2: the prompt ends with a message of role 'human'; as in TRL "
-                                        r"it must end with a 'user' or 'tool' message.*'human' and 'gpt' are "
+    with pytest.raises(DataError, match=r"data\.jsonl:2: the prompt ends with a message of role 'human'; as in TRL's "
+                                        r"apply_chat_template it must end with a 'user' or 'tool' message.*'human' and 'gpt' are "
                                         r"ShareGPT roles: rename them 'user' and 'assistant'"):
         format_prompt(example, char_tokenizer(TEMPLATE))
 
