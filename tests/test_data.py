@@ -302,12 +302,11 @@ def test_a_tool_message_last_gets_the_generation_prompt(char_tokenizer):
 
 
 def test_sharegpt_roles_are_an_error_naming_the_line_and_the_rename(tmp_path, char_tokenizer):
-    path = write_jsonl(tmp_path, [{"prompt": "a", "answer": "1"}, {"prompt": [{"role": "human", "content": "40+28="}],
-                                                                    "answer": "68"}])
-    example = load_jsonl(path)[1]
+    sharegpt = {"prompt": [{"role": "human", "content": "40+28="}], "answer": "68"}
+    example = load_jsonl(write_jsonl(tmp_path, [{"prompt": "a", "answer": "1"}, sharegpt]))[1]
     with pytest.raises(DataError, match=r"data\.jsonl:2: the prompt ends with a message of role 'human'; as in TRL's "
-                                        r"apply_chat_template it must end with a 'user' or 'tool' message.*'human' and 'gpt' are "
-                                        r"ShareGPT roles: rename them 'user' and 'assistant'"):
+                                        r"apply_chat_template it must end with a 'user' or 'tool' message.*"
+                                        r"'human' and 'gpt' are ShareGPT roles: rename them 'user' and 'assistant'"):
         format_prompt(example, char_tokenizer(TEMPLATE))
 
 
