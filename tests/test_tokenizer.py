@@ -2,7 +2,8 @@
 
 Each test builds a tiny byte-level BPE with the `tokenizers` library, saves it the way transformers
 does (PreTrainedTokenizerFast.save_pretrained) and checks that rlcore reads the same ids, text,
-special tokens and chat-template renderings as AutoTokenizer.from_pretrained(dir).
+special tokens and chat-template renderings as AutoTokenizer.from_pretrained(dir). The prompts the
+loop builds (rlcore.data.format_prompt) are checked against TRL's maybe_apply_chat_template too.
 
 tests/chat_templates/ holds the real templates, byte for byte as the model repos ship them (copied
 from TRL's trl/chat_templates): Qwen2.5 Instruct, Llama 3 Instruct and Llama 3.1 Instruct.
