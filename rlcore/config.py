@@ -63,7 +63,7 @@ class DataArgs:
     eval_path: str | None = None
     """JSONL file for evaluation (task "jsonl"); None = hold out num_eval rows of data.path"""
     prompt_column: str = "prompt"
-    """JSONL column with the prompt: a string, or a list of chat messages"""
+    """JSONL column with the prompt: a string, or a list of chat messages (content: text, or a list of text parts)"""
     answer_column: str = "answer"
     """JSONL column with the reference answer ("" = none); GSM8K-style "... #### 42" keeps 42"""
     num_train: int = 1000
