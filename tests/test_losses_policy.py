@@ -107,7 +107,7 @@ def test_delta_caps_the_unclipped_branch_only(delta, want):
 def test_a_delta_at_or_below_one_plus_epsilon_high_is_a_smaller_epsilon_high_and_a_dual_clip_at_the_bound():
     # docs/losses.md, Pitfalls: positive advantages as with epsilon_high = delta - 1, negative
     # ones as with delta = 1 + epsilon_high; in value and gradient, ratios around every bound
-    logp, old, adv, mask = setup([0.5, 0.9, 1.1, 1.15, 1.25, 1.5, 3.0])
+    logp, old, adv, mask = setup([0.5, 0.9, 1.05, 1.15, 1.2, 1.5, 3.0])  # none on a bound
     for delta in (1.1, 1.28):
         loss, _ = policy_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=0.28, delta=delta)
         neg, _ = policy_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=0.28, delta=1 + 0.28)
