@@ -52,6 +52,10 @@ def check_model_dir(path: Path) -> None:
     or run directory (the model is inside), a LoRA adapter, a path that does not exist."""
     if problem := checkpoint_dir_problem(path):
         raise CheckpointError(problem)
+    for name in ("config.json", "tokenizer.json"):
+        if is_lfs_pointer(path / name):
+            raise CheckpointError(f"{path / name} is a Git LFS pointer, not the file: fetch the files (git lfs pull "
+                                  f"in the clone, or hf download)")
     if (path / "config.json").is_file():
         return
     if (path / "trainer_state.pt").is_file() and (path / "model" / "config.json").is_file():
@@ -320,6 +324,9 @@ def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep
     """
     final = run / f"checkpoint-{step}"
     tmp = run / f".checkpoint-{step}.tmp"
+    if final.exists() and not (final / "trainer_state.pt").is_file():  # else: a crashed attempt's save of this step
+        raise FileExistsError(f"{final} exists and is not an rlcore checkpoint (no trainer_state.pt); "
+                              f"move it out of the run directory {run}")
     shutil.rmtree(tmp, ignore_errors=True)
     extra = {n: source / n for n in TOKENIZER_FILES if (source / n).is_file()}
     try:
@@ -334,11 +341,7 @@ def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep
         raise OSError(f"could not write checkpoint {final} ({type(e).__name__}: {e}); " +
                       (f"{run / kept} is intact: make room, then continue with --resume {run}" if kept else
                        "no earlier checkpoint exists: make room and start again")) from e
-    if final.exists():  # a crashed attempt's save of this step (rlcore's), or someone else's directory
-        if not (final / "trainer_state.pt").is_file():
-            raise FileExistsError(f"{final} exists and is not an rlcore checkpoint (no trainer_state.pt); "
-                                  f"move it out of the run directory {run}")
-        shutil.rmtree(final)
+    shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
     with open(run / "latest.tmp", "w") as f:
         f.write(final.name)

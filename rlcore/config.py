@@ -20,8 +20,8 @@ import dataclasses
 import difflib
 import inspect
 import math
-import re
 import os
+import re
 import sys
 import textwrap
 import types
@@ -444,6 +444,19 @@ def looks_like_yaml(path: str) -> bool:
     return bool(lines) and re.match(r"^\s*[\w.-]+:(\s|$)", lines[0]) is not None
 
 
+def _toml_literal(raw: str, default=None):
+    """`raw` read as a TOML value (`0.04`, `true`, `["a"]`, `{k = 1}`), or `default` when it is not one."""
+    try:
+        return tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        return default
+
+
+def _shell_set(assignment: str) -> str:
+    """`--set key=value` as a shell takes it: quoted when the value holds quotes, brackets or spaces."""
+    return f"--set '{assignment}'" if any(c in assignment for c in "[]{}\"' ") else f"--set {assignment}"
+
+
 def parse_override(item: str) -> tuple[str, str, object]:
     """`"loss.beta=0.04"` -> `("loss", "beta", 0.04)`; a flat TRL key (`"beta=0.04"`) finds its section."""
     key, sep, raw = item.partition("=")
@@ -452,13 +465,10 @@ def parse_override(item: str) -> tuple[str, str, object]:
         raise ConfigError(f"override {item!r} is not section.key=value; write e.g. --set loss.beta=0.04")
     parts = key.split(".")
     if len(parts) == 1 and parts[0] in SECTIONS:
-        try:
-            table = tomllib.loads(f"v = {raw.strip()}")["v"]
-        except tomllib.TOMLDecodeError:
-            table = None
-        pairs = table.items() if isinstance(table, dict) and table else [(_field_names(SECTIONS[parts[0]])[0], "...")]
-        raise ConfigError(f"--set {item}: {parts[0]} is a section; set one key at a time: " +
-                          " ".join(f"--set {parts[0]}.{k}={_toml_value(v) if v != '...' else v}" for k, v in pairs))
+        table = _toml_literal(raw)
+        sets = ([_shell_set(f"{parts[0]}.{k}={_toml_value(v)}") for k, v in table.items()]
+                if isinstance(table, dict) and table else [f"--set {parts[0]}.{_field_names(SECTIONS[parts[0]])[0]}=..."])
+        raise ConfigError(f"--set {item}: {parts[0]} is a section; set one key at a time: " + " ".join(sets))
     if len(parts) == 1:
         section, name = _flat_target(parts[0])
     elif len(parts) == 2:
@@ -466,18 +476,16 @@ def parse_override(item: str) -> tuple[str, str, object]:
         if section not in SECTIONS:
             raise _unknown_section(section)
     elif parts[0] in SECTIONS and typing.get_origin(typing.get_type_hints(SECTIONS[parts[0]]).get(parts[1])) is dict:
+        inner = {".".join(parts[2:]): _toml_literal(raw, default=raw.strip())}
         raise ConfigError(f"--set {item}: {parts[0]}.{parts[1]} is a table; give it whole: "
-                          f"--set '{parts[0]}.{parts[1]}={{{'.'.join(parts[2:])}={raw.strip()}}}'")
+                          + _shell_set(f"{parts[0]}.{parts[1]}={_toml_value(inner)}"))
     elif text := trl_options.foreign(key):
         raise ConfigError(f"unknown config key {key}: {text}")
     else:
         raise ConfigError(f"override key {key!r} has too many dots; write section.key=value, "
                           f"e.g. --set loss.beta=0.04")
     raw = raw.strip()
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
+    value = _toml_literal(raw, default=raw)
     hint = typing.get_type_hints(SECTIONS[section]).get(name)
     if isinstance(value, str) and value.startswith("[") and value.endswith("]") and hint is not None \
             and _accepts(hint, list) and not _accepts(hint, str):
@@ -666,11 +674,8 @@ def _check_type(key: str, value, tp):
             also = ", or true / false" if bool in base else ""
             raise ConfigError(f"{key} = {value!r} is not a valid choice; valid: "
                               f"{', '.join(repr(c) for c in choices)}{also}{hint}")
-    example = f"{key}={_example(tp)}"
-    if any(c in example for c in "[]{}\"' "):
-        example = f"'{example}'"  # quoted for the shell, which would eat the inner quotes
     raise ConfigError(f"{key} = {value!r} has type {type(value).__name__}, expected "
-                      f"{_describe(tp)}; e.g. --set {example}")
+                      f"{_describe(tp)}; e.g. {_shell_set(f'{key}={_example(tp)}')}")
 
 
 def _convert(value, tp) -> tuple[bool, object]:

@@ -113,7 +113,9 @@ def _is_json_array(p: Path) -> bool:
         rows = json.loads(p.read_text(encoding="utf-8-sig"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         return False
-    return isinstance(rows, list) and bool(rows) and all(isinstance(row, dict) for row in rows)
+    if not (isinstance(rows, list) and rows and all(isinstance(row, dict) for row in rows)):
+        return False
+    return not all("role" in row for row in rows)  # else: one row's chat messages, a line without its object
 
 
 def _jsonl_beside(p: Path) -> Path:
@@ -171,8 +173,8 @@ def _check_message(m, where: str) -> None:
 
 
 def message_text(content: str | list[dict]) -> str:
-    """A message's text: its content string, or its text parts joined, as the chat templates that
-    read parts (Llama 4, Gemma 3, Mistral 3) join them."""
+    """A message's text: its content string, or its text parts joined without a separator (the
+    chat templates that read parts, such as Llama 4's, concatenate them)."""
     return content if isinstance(content, str) else "".join(part["text"] for part in content)
 
 
@@ -236,11 +238,17 @@ def format_prompt(example: dict, tokenizer, system_prompt: str | None = None,
         for label, m in zip(labels, messages):
             # reasoning templates (Qwen3, DeepSeek-R1) drop an earlier assistant turn's <think>...</think>
             shown = (m["content"].split("</think>")[-1] if m["role"] == "assistant" else m["content"]).strip()
-            if shown not in text:
+            # Llama 3.1's renders a tool result as a JSON string (tojson): quotes and newlines escaped
+            as_json = (json.dumps(shown)[1:-1], json.dumps(shown, ensure_ascii=False)[1:-1])
+            if shown not in text and not any(j in text for j in as_json):
                 fix = (SHAREGPT_FIX if m["role"] in ("human", "gpt") else
+                       "this chat template drops system messages: unset data.system_prompt"
+                       if label == "data.system_prompt" else
                        "this chat template drops system messages: put the text in the user message"
                        if m["role"] == "system" else
-                       "chat templates render the roles system, user, assistant and tool")
+                       "chat templates render the roles system, user, assistant and tool"
+                       if m["role"] not in ("system", "user", "assistant", "tool") else
+                       "check the chat template, which leaves this message out")
                 raise DataError(f"{where}: {label}: its text {shown[:40]!r} is not in the prompt the chat "
                                 f"template renders, so the model would never see it; {fix}")
         return list(tokenizer.encode(text, add_special_tokens=False))

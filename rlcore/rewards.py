@@ -283,7 +283,11 @@ def get_reward_funcs(names: list[str]) -> list[RewardFunc]:
 def load_reward_func(name: str) -> RewardFunc:
     """The reward function a "module:function" name gives: a function, or an object with __call__
     (TRL takes any callable); not a class, which a call would construct rather than score with."""
-    module_name, _, attr = name.partition(":")
+    module_name, _, attr = (part.strip() for part in name.partition(":"))  # "mod: fn" means mod:fn
+    if "/" in module_name or "\\" in module_name or module_name.endswith(".py"):
+        module = Path(module_name).with_suffix("").name if module_name.endswith(".py") else Path(module_name).name
+        raise ValueError(f"loss.reward_funcs entry {name!r} names a file; name its module: '{module}:{attr}', with "
+                         f"the file's directory the current one (or on PYTHONPATH)")
     fix = ("put a def in a .py file and name it 'module:function' (def my_reward(prompts, completions, "
            "**kwargs) in my_rewards.py is 'my_rewards:my_reward')")
     if re.match(r"\s*lambda\b", name):

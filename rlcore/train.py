@@ -131,14 +131,14 @@ def policy_loss_options(lc) -> dict:
         vespo_lambda_neg=lc.vespo_lambda_neg)
 
 
-RUN_FILES = ("config.toml", "metrics.jsonl", "eval.jsonl", "completions.jsonl", "curve.png", "config.toml.tmp",
-             "latest.tmp")
-"""What a run directory holds besides its checkpoints: a crashed first attempt may leave them."""
+RUN_CONFIG_HEADER = "# rlcore: this run's configuration, which rlcore train --resume reads\n"
 
 
 def check_new_run_dir(run: Path) -> None:
-    """A new run writes into train.output_dir and deletes its own older checkpoints: the directory
-    must be new, or hold no more than a run that crashed before its first checkpoint."""
+    """A new run writes config.toml and checkpoint-<step>/ into train.output_dir, and deletes its
+    own older checkpoints: the directory must hold no checkpoint-* entry and no config.toml that
+    rlcore did not write (a run that crashed before its first checkpoint leaves its own). Other
+    files (a log, a .gitkeep) stay as they are."""
     existing = run
     while not existing.exists():  # the nearest existing ancestor: the run directory is created under it
         existing = existing.parent
@@ -153,13 +153,15 @@ def check_new_run_dir(run: Path) -> None:
     if (run / "latest").exists():
         raise FileExistsError(f"{run} already holds checkpoints; continue it with --resume {run}, "
                               "or choose a new train.output_dir (nothing is overwritten)")
-    others = sorted(p.name for p in run.iterdir()
-                    if p.name not in RUN_FILES and not (p.name.startswith(".checkpoint-") and p.name.endswith(".tmp")))
+    others = sorted(p.name for p in run.glob("checkpoint-*"))
+    config = run / "config.toml"
+    if config.is_file() and not config.read_text(errors="replace").startswith(RUN_CONFIG_HEADER):
+        others.append("config.toml")
     if others:
         listed = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
         raise FileExistsError(f"train.output_dir = {run} already holds files that are not an rlcore run's ({listed}); "
-                              f"a run writes config.toml, metrics.jsonl and checkpoint-<step>/ there and deletes its "
-                              f"older checkpoints: choose a new or empty train.output_dir (nothing was written)")
+                              f"a run writes config.toml and checkpoint-<step>/ there and deletes its older "
+                              f"checkpoints: choose a new or empty train.output_dir (nothing was written)")
 
 
 def check_resumed_model(run: Path, cfg: Config) -> None:
@@ -290,13 +292,14 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                              cfg.data.max_prompt_length, cfg.data.chat_template_kwargs)
         for ex, p in zip(split, ids):
             ex["prompt_ids"] = p
-    longest = max(len(ex["prompt_ids"]) for ex in train_set + eval_set)
-    new_tokens = max(rc.max_completion_length, t.eval_max_completion_length)
-    if main and longest + new_tokens > model.config.max_position_embeddings:  # transformers warns the same
-        warnings.warn(f"the longest prompt ({longest} tokens) + {new_tokens} new tokens (rollout.max_completion_length"
-                      f", train.eval_max_completion_length) = {longest + new_tokens} positions, past {model_dir}'s "
-                      f"max_position_embeddings = {model.config.max_position_embeddings} (config.json): the model "
-                      f"was not trained there; lower the lengths", RlcoreWarning, stacklevel=2)
+    for split, new_tokens, option in ((train_set, rc.max_completion_length, "rollout.max_completion_length"),
+                                      (eval_set, t.eval_max_completion_length, "train.eval_max_completion_length")):
+        longest = max((len(ex["prompt_ids"]) for ex in split), default=0)
+        if main and split and longest + new_tokens > model.config.max_position_embeddings:  # as transformers warns
+            warnings.warn(f"the longest prompt ({longest} tokens) + {option} = {new_tokens} is {longest + new_tokens} "
+                          f"positions, past {model_dir}'s max_position_embeddings = "
+                          f"{model.config.max_position_embeddings} (config.json): the model was not trained there; "
+                          f"lower {option} or data.max_prompt_length", RlcoreWarning, stacklevel=2)
     accuracy_fn = get_reward_funcs([TASK_REWARD[cfg.data.task]])[0]
     stop_sequences = [ids for s in rc.stop for ids in tok.stop_ids(s)]  # rollout.stop as token ids
 
@@ -324,7 +327,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
     if main:  # every input loaded and checked: a bad one leaves no run directory behind
         run.mkdir(parents=True, exist_ok=True)
         # with absolute paths, so a --resume from another directory finds the model and data
-        (run / "config.toml.tmp").write_text(dump_config(with_absolute_paths(cfg)))
+        (run / "config.toml.tmp").write_text(RUN_CONFIG_HEADER + dump_config(with_absolute_paths(cfg)))
         os.replace(run / "config.toml.tmp", run / "config.toml")  # a crash leaves the previous one
 
     opt = adamw(model, t)
@@ -480,8 +483,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                     shared = SharedPrompts.build(model, ids[step_rows], attn[step_rows], Lp, amp, max_prompts=b)
                 logp, entropy = completion_logprobs(model, ids[mb], attn[mb], Lp, cids[mb], rc.temperature, amp,
                                                     shared)  # entropy is differentiable: the bonus below
-                # the entropy mask (an all-gather under torchrun), once for the loss and the bonus
                 # 5. Loss: per token (SPEC 3-4), then this micro-batch's share of the step's (SPEC 5).
+                # The entropy mask (an all-gather under torchrun), once for the loss and the bonus.
                 entropy_keep = None if lc.top_entropy_quantile == 1.0 else \
                     entropy_mask(entropy.detach(), mask[mb], lc.top_entropy_quantile)
                 per_token, diag = policy_loss(
@@ -519,8 +522,9 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                         print(f"step {step + 1}: non-finite loss or gradient, optimizer step skipped "
                               f"({bad_in_row} in a row)", flush=True)
                     if bad_in_row >= t.max_nonfinite_steps:
-                        raise RuntimeError(f"{bad_in_row} non-finite steps in a row (train.max_nonfinite_steps="
-                                           f"{t.max_nonfinite_steps}); lower the learning rate or check rewards")
+                        raise FloatingPointError(
+                            f"{bad_in_row} non-finite steps in a row (train.max_nonfinite_steps="
+                            f"{t.max_nonfinite_steps}); lower the learning rate or check rewards")
                 opt.zero_grad(set_to_none=True)
                 lr = opt.param_groups[0]["lr"]  # the rate this step used, before the schedule moves on
                 applied = bonus.applied()  # the coefficient this step used, before adaptation

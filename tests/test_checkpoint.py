@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlcore.checkpoint import CheckpointError, load_model, save_model
+from rlcore.checkpoint import CheckpointError, check_model_dir, load_model, save_model
 
 from conftest import rewrite_config
 
@@ -315,6 +315,9 @@ def test_a_git_lfs_pointer_is_named(hf_checkpoint):
                                             "size 1234567\n")
     with pytest.raises(CheckpointError, match=r"model\.safetensors is a Git LFS pointer, not the weights: fetch them"):
         load_model(path)
+    (path / "tokenizer.json").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:4567\nsize 7654321\n")
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json is a Git LFS pointer, not the file"):
+        check_model_dir(path)  # train() runs it before the tokenizer is read
 
 
 def test_missing_shard_named(hf_checkpoint, tmp_path):

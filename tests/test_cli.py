@@ -206,6 +206,21 @@ def test_cli_will_not_train_into_a_directory_of_other_checkpoints(tmp_path, caps
     assert f"train.output_dir = {outputs} already holds files that are not an rlcore run's (checkpoint-1000, " \
            f"checkpoint-500)" in err and "choose a new or empty train.output_dir" in err
     assert sorted(p.name for p in outputs.iterdir()) == ["checkpoint-1000", "checkpoint-500"]
+    mine = tmp_path / "here"  # output_dir = "." beside the user's own config.toml
+    mine.mkdir()
+    (mine / "config.toml").write_text("# my recipe\n[train]\nmax_steps = 1\n")
+    assert main(cli_args(mine, "train.max_steps=1")) == 1
+    assert "already holds files that are not an rlcore run's (config.toml)" in capsys.readouterr().err
+    assert (mine / "config.toml").read_text().startswith("# my recipe")
+
+
+def test_a_new_run_may_share_its_directory_with_a_log_and_dotfiles(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / ".ipynb_checkpoints").mkdir(parents=True)
+    (run / "train.log").write_text("started\n")  # tee or a batch system's --output, opened before the run
+    (run / ".gitkeep").write_text("")
+    assert main(cli_args(run, "train.max_steps=1")) == 0
+    assert (run / "train.log").read_text() == "started\n" and (run / "latest").is_file()
 
 
 def test_checkpoint_rotation_deletes_only_rlcore_checkpoints(tmp_path):
@@ -228,6 +243,7 @@ def test_a_save_does_not_replace_a_directory_that_is_not_an_rlcore_checkpoint(tm
     assert f"{run / 'checkpoint-2'} exists and is not an rlcore checkpoint" in capsys.readouterr().err
     assert (run / "checkpoint-2" / "notes.txt").read_text() == "mine"
     assert (run / "latest").read_text() == "checkpoint-1"
+    assert not (run / ".checkpoint-2.tmp").exists()  # refused before a copy of the model was written
 
 
 @pytest.mark.parametrize("where, error", [

@@ -668,7 +668,8 @@ def test_a_home_relative_path_is_expanded(monkeypatch):
     ("train={max_steps=1,seed=3}", r"train is a section; set one key at a time: --set train\.max_steps=1 "
                                    r"--set train\.seed=3"),
     ("data.chat_template_kwargs.enable_thinking=false", r"data\.chat_template_kwargs is a table; give it whole: "
-                                                        r"--set 'data\.chat_template_kwargs=\{enable_thinking=false\}'"),
+                                                        r"--set 'data\.chat_template_kwargs=\{\"enable_thinking\" = "
+                                                        r"false\}'"),
     ("actor_rollout_ref.rollout.n=8", r"verl's config tree; rlcore takes TRL's names: rollout\.n -> "
                                       r"rollout\.num_generations"),
     ("data.train_batch_size=8", r"unknown config key data\.train_batch_size: verl's prompts per step"),
@@ -683,6 +684,19 @@ def test_what_users_of_other_tools_type_is_taken_or_answered(override, said):
     else:
         with pytest.raises(ConfigError, match=said):
             load_config(None, [override])
+
+
+@pytest.mark.parametrize("override", ["data.chat_template_kwargs.reasoning_effort=high",
+                                      'loss={reward_funcs=["accuracy","format"], beta=0.04}'])
+def test_the_set_commands_an_error_suggests_work_as_printed(override):
+    """Each suggested --set, split as a shell splits it, loads."""
+    import shlex
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    words = shlex.split(str(err.value).partition(": ")[2].partition(": ")[2])
+    suggested = [w for prev, w in zip(words, words[1:]) if prev == "--set"]
+    assert suggested and load_config(None, suggested)
 
 
 def test_a_yaml_config_and_a_verl_section_are_named(tmp_path):

@@ -182,6 +182,9 @@ def test_lines_that_each_hold_a_list_are_not_called_a_json_array(tmp_path):
     path = write_jsonl(tmp_path, [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]])
     with pytest.raises(DataError, match=r"data\.jsonl:1: a JSON list, expected an object"):
         load_jsonl(path)
+    path = write_jsonl(tmp_path, [[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]])
+    with pytest.raises(DataError, match=r"data\.jsonl:1: a JSON list, expected an object"):  # one conversation
+        load_jsonl(path)
 
 
 def test_empty_file_is_named(tmp_path):
@@ -333,8 +336,12 @@ def test_a_message_the_template_drops_is_an_error_naming_line_index_and_role(tmp
 def test_a_system_prompt_the_template_drops_is_an_error_naming_data_system_prompt(char_tokenizer):
     tok = char_tokenizer("{% for m in messages if m['role'] != 'system' %}{{ m['content'] }}{% endfor %}")
     with pytest.raises(DataError, match=r"prompt '40\+28=': data\.system_prompt: its text 'Be brief\.' is not in "
-                                        r"the prompt .*drops system messages: put the text in the user message"):
+                                        r"the prompt .*drops system messages: unset data\.system_prompt"):
         format_prompt({"prompt": "40+28="}, tok, system_prompt="Be brief.")
+    with pytest.raises(DataError, match=r"message 0 \(role 'system'\).*drops system messages: put the text in the "
+                                        r"user message"):
+        format_prompt({"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1="}]},
+                      tok)
 
 
 def test_an_earlier_turns_reasoning_may_be_dropped_by_the_template(char_tokenizer):

@@ -105,13 +105,15 @@ def test_delta_caps_the_unclipped_branch_only(delta, want):
 
 
 def test_a_delta_at_or_below_one_plus_epsilon_high_is_a_smaller_epsilon_high_and_a_dual_clip_at_the_bound():
-    # docs/losses.md, Pitfalls: positive advantages as with epsilon_high = delta - 1, negative
-    # ones as with delta = 1 + epsilon_high; in value and gradient, ratios around every bound
+    # docs/losses.md, Pitfalls: positive advantages as PPO-clip with epsilon_high = delta - 1,
+    # negative ones as verl's dual clip at c = 1 + epsilon_high; value and gradient, both written
+    # out from their definitions, at ratios around every bound
     logp, old, adv, mask = setup([0.5, 0.9, 1.05, 1.15, 1.2, 1.5, 3.0])  # none on a bound
     for delta in (1.1, 1.28):
         loss, _ = policy_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=0.28, delta=delta)
-        neg, _ = policy_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=0.28, delta=1 + 0.28)
-        pos, _ = policy_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=delta - 1)
+        r = logp.exp()
+        pos = -torch.minimum(r, r.clamp(0.8, delta))  # A = +1
+        neg = verl_dual_clip(r, adv, 0.2, 0.28, clip_ratio_c=1.28)
         want = torch.where(adv[:, None] > 0, pos, neg)
         assert_close(loss, want)
         assert_close(grad_of(loss, logp), grad_of(want, logp))

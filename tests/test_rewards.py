@@ -222,6 +222,18 @@ def test_get_reward_funcs_says_a_config_cannot_hold_a_lambda_or_expression(name,
         get_reward_funcs([name])
 
 
+@pytest.mark.parametrize("name", ["./my_rewards.py:fn", "rewards/my_rewards:fn", "my_rewards.py:fn"])
+def test_a_file_path_in_place_of_a_module_says_to_name_the_module(name):
+    with pytest.raises(ValueError, match=r"names a file; name its module: 'my_rewards:fn'"):
+        get_reward_funcs([name])
+
+
+def test_spaces_around_the_colon_are_ignored(tmp_path, monkeypatch):
+    (tmp_path / "spaced_rewards.py").write_text("def fn(prompts, completions, **kwargs):\n    return [1.0]\n")
+    monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path)])
+    assert get_reward_funcs(["spaced_rewards : fn"])[0](["p"], ["c"]) == [1.0]
+
+
 def test_a_reward_module_shadowed_by_the_standard_library_names_both_files(tmp_path, monkeypatch):
     import code  # the standard library's, which the user's code.py below cannot replace
 

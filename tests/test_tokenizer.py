@@ -496,6 +496,9 @@ PROMPTS = {
     "system+user": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "40+28="}],
     "multi-turn": MESSAGES,
     "prefill": [{"role": "user", "content": "40+28="}, {"role": "assistant", "content": "<think>"}],
+    # a tool result with quotes and a newline: Llama 3.1's template renders it as a JSON string
+    "tool": [{"role": "user", "content": "What is 40+28?"}, {"role": "assistant", "content": "calling add"},
+             {"role": "tool", "content": 'The result is "68".\nDone.'}],
 }
 
 

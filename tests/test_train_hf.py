@@ -4,6 +4,8 @@ transformers (weights and tokenizer) and agree with rlcore. The shipped GSM8K co
 and a Llama-style tokenizer (which prepends BOS) gets its stop strings right."""
 
 import json
+import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -177,15 +179,26 @@ def test_a_round_nothing_scores_is_reported(qwen_dir, gsm8k_file, tmp_path, caps
 
 
 def test_prompt_plus_completion_past_max_position_embeddings_warns(qwen_dir, gsm8k_file, tmp_path):
-    rewrite_config(qwen_dir, max_position_embeddings=40)
-    cfg = load_config(None, [
-        f"model.path={qwen_dir}", "data.task=jsonl", f"data.path={gsm8k_file}", "data.prompt_column=question",
-        "data.num_eval=2", "rollout.num_generations=4", "rollout.max_completion_length=30",
-        "train.eval_max_completion_length=4", "train.per_device_train_batch_size=8", "train.max_steps=1",
-        "train.device=cpu", f"train.output_dir={tmp_path / 'run'}"])
-    with pytest.warns(UserWarning, match=r"the longest prompt \((\d+) tokens\) \+ 30 new tokens .* past .*'s "
-                                         r"max_position_embeddings = 40 \(config\.json\)"):
-        train(cfg)
+    def run(name, *overrides):
+        cfg = load_config(None, [
+            f"model.path={qwen_dir}", "data.task=jsonl", f"data.path={gsm8k_file}", "data.prompt_column=question",
+            "rollout.num_generations=4", "train.per_device_train_batch_size=8", "train.max_steps=1",
+            "train.device=cpu", f"train.output_dir={tmp_path / name}", *overrides])
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            train(cfg)
+        return [str(w.message) for w in said if "max_position_embeddings" in str(w.message)]
+
+    rewrite_config(qwen_dir, max_position_embeddings=100)  # the prompts here are about 95 tokens
+    said = run("a", "data.num_eval=2", "rollout.max_completion_length=30", "train.eval_max_completion_length=1")
+    assert len(said) == 1, said
+    found = re.match(r"the longest prompt \((\d+) tokens\) \+ rollout\.max_completion_length = 30 is \d+ positions, "
+                     r"past .*'s max_position_embeddings = 100 \(config\.json\).*lower rollout\.max_completion_length",
+                     said[0])
+    assert found, said
+    # without held-out prompts, eval_max_completion_length reaches no position
+    rewrite_config(qwen_dir, max_position_embeddings=int(found[1]) + 1)
+    assert run("b", "data.num_eval=0", "rollout.max_completion_length=1", "train.eval_max_completion_length=30") == []
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
