@@ -1,5 +1,12 @@
-"""The loss zoo against TRL's own code: a TRL config, loaded by rlcore, gives the loss TRL computes.
+"""The loss zoo against TRL's own code: a TRL config, loaded by rlcore, gives the advantages and
+the loss TRL computes.
 
+Advantages: TRL 1.16's GRPOTrainer._generate_and_score_completions, with generation replaced by
+fixed completions, scores them with the same reward functions and normalises; rlcore's
+score_completions and compute_advantages, configured from the same keys, must give the same
+advantages (reward weights, None scores, every scale_rewards, both multi-objective aggregations).
+
+Loss:
 For each config below (TRL's GRPOConfig keys), TRL 1.16's GRPOTrainer._compute_loss and rlcore's
 micro-batch loss (the loop's three calls: policy_loss, aggregate_loss, the entropy bonus) see
 the same log-probs, entropies, advantages and masks over one optimizer step of GA micro-batches.
@@ -16,7 +23,8 @@ import pytest
 import torch
 
 from rlcore.config import load_config
-from rlcore.losses import EntropyBonus, aggregate_loss, entropy_mask, policy_loss
+from rlcore.losses import EntropyBonus, aggregate_loss, compute_advantages, entropy_mask, policy_loss, score_completions
+from rlcore.rewards import get_reward_funcs
 from rlcore.train import policy_loss_options
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -67,20 +75,86 @@ def checkpoint(tmp_path_factory):
     return d, tok
 
 
-def trl_trainer(checkpoint, options: dict):
+def trl_trainer(checkpoint, options: dict, reward_funcs=None):
     from datasets import Dataset
 
     d, tok = checkpoint
     args = trl.GRPOConfig(output_dir=str(d / "out"), use_cpu=True, bf16=False, report_to="none",
                           per_device_train_batch_size=B, gradient_accumulation_steps=GA, num_generations=G,
                           max_completion_length=T, **options)
-    trainer = trl.GRPOTrainer(model=str(d), reward_funcs=lambda prompts, completions, **kw: [0.0] * len(prompts),
+    trainer = trl.GRPOTrainer(model=str(d), reward_funcs=reward_funcs or (lambda prompts, completions, **kw:
+                                                                           [0.0] * len(prompts)),
                               args=args, train_dataset=Dataset.from_dict({"prompt": ["w1 w2"] * G}),
                               processing_class=tok)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = GA  # transformers sets it in its training loop
     return trainer
 
+
+def toml_value(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else repr(v)
+
+
+def rlcore_config(options: dict, tmp_path):
+    toml = tmp_path / "trl.toml"  # the same keys, flat, as a TRL user writes them
+    toml.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in {
+        **options, "per_device_train_batch_size": B, "gradient_accumulation_steps": GA, "num_generations": G,
+        "max_completion_length": T}.items()))
+    return load_config(str(toml))
+
+
+# ---- advantages --------------------------------------------------------------------------------
+
+def length_mod_5(prompts, completions, **kwargs):
+    return [float(len(c) % 5) for c in completions]
+
+
+def has_w1_unless_w3(prompts, completions, **kwargs):
+    """None (unscorable) for a completion ending in w3: TRL turns it into NaN, rlcore too."""
+    return [None if c.endswith("w3") else float("w1" in c.split()) for c in completions]
+
+
+def constant_in_group_two(prompts, completions, **kwargs):
+    """Equal scores within the second group: its rows' advantages come from the other functions."""
+    return [1.0 if p == "w5 w6" else float(len(c)) for p, c in zip(prompts, completions)]
+
+
+ADVANTAGE_CASES = {
+    "group": {},
+    "batch": {"scale_rewards": "batch"},
+    "none": {"scale_rewards": "none"},
+    "weights": {"reward_weights": [1.0, -0.5, 0.25]},
+    "normalize_then_sum": {"multi_objective_aggregation": "normalize_then_sum", "reward_weights": [0.5, 1.0, 2.0]},
+}
+
+
+@pytest.mark.parametrize("case", ADVANTAGE_CASES)
+def test_a_trl_config_gives_trls_advantages(case, checkpoint, tmp_path):
+    d, tok = checkpoint
+    options = ADVANTAGE_CASES[case]
+    funcs = [length_mod_5, has_w1_unless_w3, constant_in_group_two]
+    trainer = trl_trainer(checkpoint, options, funcs)
+    # one generation batch (B x GA rows): B x GA / G prompts, G completions each, the last group all None
+    prompts = [p for p in ("w1 w2", "w3 w4", "w5 w6", "w7 w8") for _ in range(G)]
+    g = torch.Generator().manual_seed(len(case))
+    completions = [" ".join(f"w{int(i)}" for i in torch.randint(1, 10, (int(n),), generator=g))
+                   for n in torch.randint(1, 5, (len(prompts),), generator=g)]
+    completions[-G:] = ["w1 w3"] * G  # has_w1_unless_w3: None for the whole group
+    trainer._generate = lambda ps: ([[3, 4]] * len(ps), [tok(c)["input_ids"] or [1] for c in completions], None,
+                                    completions, None, {}, None, None)
+    trainer.model.train()
+    want = trainer._generate_and_score_completions([{"prompt": p} for p in prompts])["advantages"]
+
+    names = [f"{__name__}:{f.__name__}" for f in funcs]  # rlcore's config names them; TRL takes the functions
+    lc = rlcore_config({**options, "reward_funcs": names}, tmp_path).loss
+    R = score_completions(get_reward_funcs(lc.reward_funcs), prompts, completions, {})
+    got, _ = compute_advantages(R, G, lc.reward_weights, lc.scale_rewards,
+                                multi_objective_aggregation=lc.multi_objective_aggregation)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=1e-6)
+    assert want.abs().sum() > 0  # the case has signal
+
+
+# ---- loss --------------------------------------------------------------------------------------
 
 def step_inputs(seed: int) -> list[dict]:
     """GA micro-batches of fp64 log-probs, entropies (fp32 values: TRL takes the quantile in fp32),
@@ -144,18 +218,10 @@ def rlcore_step(cfg, batches, off_policy: bool):
     return total, grads, metrics
 
 
-def toml_value(v) -> str:
-    return str(v).lower() if isinstance(v, bool) else repr(v)
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_a_trl_config_gives_trls_loss_gradients_and_metrics(case, checkpoint, tmp_path):
     options, off_policy = CASES[case]
-    toml = tmp_path / "trl.toml"  # the same keys, flat, as a TRL user writes them
-    toml.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in {
-        **options, "per_device_train_batch_size": B, "gradient_accumulation_steps": GA, "num_generations": G,
-        "max_completion_length": T}.items()))
-    cfg = load_config(str(toml))
+    cfg = rlcore_config(options, tmp_path)
     trainer = trl_trainer(checkpoint, options)
     for seed in range(3):
         batches = step_inputs(seed)
