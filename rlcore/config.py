@@ -848,6 +848,9 @@ def validate(config: Config, world_size: int = 1) -> None:
          f"loss.reward_weights = {lo.reward_weights} has {len(lo.reward_weights or [])} weight(s) but "
          f"loss.reward_funcs = {lo.reward_funcs} has {len(lo.reward_funcs)} function(s); give one "
          f"weight per function, or none for all 1.0")
+    twice = sorted({name for name in lo.reward_funcs if lo.reward_funcs.count(name) > 1})
+    need(not twice, f"loss.reward_funcs lists {twice[0] if twice else ''!r} more than once; its metrics and "
+         f"completions.jsonl columns are keyed by name: list it once and weight it with loss.reward_weights")
     for name in lo.reward_funcs:
         if ":" not in name and name not in REWARDS:
             close = difflib.get_close_matches(name, REWARDS, n=1)

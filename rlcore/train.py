@@ -134,6 +134,14 @@ def policy_loss_options(lc) -> dict:
 RUN_CONFIG_HEADER = "# rlcore: this run's configuration, which rlcore train --resume reads\n"
 
 
+def clock(device: torch.device) -> float:
+    """Wall-clock seconds once the device's queued work is done (CUDA runs asynchronously), so a
+    phase's time is its own and not the next one's."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.time()
+
+
 def check_new_run_dir(run: Path) -> None:
     """A new run writes config.toml and checkpoint-<step>/ into train.output_dir, and deletes its
     own older checkpoints: the directory must hold no checkpoint-* entry and no config.toml that
@@ -382,7 +390,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
     while step < max_steps:
         # 1. Rollout: G samples per prompt, token ids in and out. Every rank draws the same
         # round of prompts and samples the rows it owns (a group may straddle two ranks).
-        t0 = time.time()
+        t0 = clock(device)
         batch = next_prompts(train_set, data_pos, N // G, t.seed)
         data_pos += N // G
         round_no, round_end = data_pos // (N // G), step + steps_per_round  # a resume may start mid-cycle
@@ -393,10 +401,10 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                       temperature=rc.temperature, top_k=rc.top_k, top_p=rc.top_p, min_p=rc.min_p,
                       repetition_penalty=rc.repetition_penalty, stop_sequences=stop_sequences, generator=sampler,
                       dtype=torch.bfloat16 if amp else None)
-        t_rollout = time.time() - t0
+        t_rollout = clock(device) - t0
 
         # 2. Rewards and advantages, over the whole round (all ranks) before it is cut up.
-        t0 = time.time()
+        t0 = clock(device)
         prompts, completions, values = reward_inputs(rows, decode_completions(tok, ro), columns)
         completion_ids = [c[:n].tolist() for c, n in zip(ro.completion_ids, ro.lengths)]
         logged, extra = defaultdict(list), {}  # what reward functions report (log_metric, log_extra)
@@ -431,7 +439,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         lengths = ro.lengths.to(device)
         every_length = distributed.gather_rows(lengths, world)  # the round's completions, all ranks
         every_truncated = distributed.gather_rows(truncated.float(), world)
-        round_stats = {**reward_stats, **{k: sum(v) / len(v) for k, v in logged.items()},
+        logged = {k: sum(v) / len(v) for k, v in logged.items()}  # means over the round, added to each step's row
+        round_stats = {**reward_stats,
                        "reward/accuracy": acc.mean().item(),
                        "completion/len_mean": every_length.float().mean().item(),
                        "completion/len_min": every_length.min().item(), "completion/len_max": every_length.max().item(),
@@ -442,10 +451,10 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
             if main:
                 log_completions(run, step + 1, texts, R, every_adv, every_length, lc.reward_funcs,
                                 t.num_completions_to_print)
-        t_score = time.time() - t0
+        t_score = clock(device) - t0
 
         # 3. old log-probs only when the round is off-policy (or TIS needs them); ref only if beta.
-        t0 = time.time()
+        t0 = clock(device)
         model.train()
         old = ref_lp = tis = None
         with torch.no_grad():
@@ -457,7 +466,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                                                         rc.temperature, amp)[0] for i in range(0, n, b)])
             if lc.tis_mode:
                 tis = tis_weights(old, samp, mask, lc.tis_mode, min=lc.tis_min, max=lc.tis_max)
-        t_old = time.time() - t0
+        t_old = clock(device) - t0
         # Engine vs trainer log-probs: over the round from `old` when it was computed, else per
         # micro-batch from logp.detach() (on-policy, every micro-batch runs before the step).
         mismatch = {} if old is None else reduce_metrics(
@@ -470,7 +479,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         # 4. mu-epoch replay: shuffle once, cut into S micro-batches, replay mu times in the same order.
         perm = torch.randperm(n, generator=shuffler, device=device)
         micro = [perm[k * b:(k + 1) * b] for k in range(S)]
-        t_update, step_metrics = time.time(), []
+        t_update, step_metrics = clock(device), []
         for epoch in range(mu):
             for k, mb in enumerate(micro):  # mb: the micro-batch's rows
                 if k % GA == 0:
@@ -521,10 +530,6 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                     if main:
                         print(f"step {step + 1}: non-finite loss or gradient, optimizer step skipped "
                               f"({bad_in_row} in a row)", flush=True)
-                    if bad_in_row >= t.max_nonfinite_steps:
-                        raise FloatingPointError(
-                            f"{bad_in_row} non-finite steps in a row (train.max_nonfinite_steps="
-                            f"{t.max_nonfinite_steps}); lower the learning rate or check rewards")
                 opt.zero_grad(set_to_none=True)
                 lr = opt.param_groups[0]["lr"]  # the rate this step used, before the schedule moves on
                 applied = bonus.applied()  # the coefficient this step used, before adaptation
@@ -536,13 +541,19 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
 
                 # 6. Metrics (SPEC 6): the round's statistics + this step's diagnostics, all ranks. The
                 # round's phase times go on its first step (0 on the others), so times sum over steps.
-                t_step = time.time() - t_update
+                t_step = clock(device) - t_update
                 met = {"step": step, "epoch": epoch, **round_stats, **reduce_metrics(step_metrics, world, device),
                        **mismatch, "grad_norm": grad_norm.item(), "lr": lr, "skipped": not finite,
                        "nonfinite_total": bad_total, **round_times, "time/update": t_step,
                        "tokens_per_s/train": step_len / max(t_step, 1e-9)}
                 if bonus.enabled:  # TRL logs the coefficient after adaptation, for the next step
                     met["entropy_coef"], met["entropy_coef/applied"] = bonus.coef, applied
+                if bonus.adaptive:  # what the controller compared with entropy_target (the bonus's tokens)
+                    met["entropy_coef/entropy"] = bonus.last_entropy
+                if taken := sorted(set(logged) & set(met)):
+                    raise ValueError(f"a reward function's log_metric name {taken[0]!r} is one of rlcore's own "
+                                     f"metrics; log it under another name (e.g. 'custom/{taken[0]}')")
+                met.update(logged)
                 round_times = dict.fromkeys(round_times, 0.0)
                 if device.type == "cuda":  # the largest over ranks
                     met["memory/peak_gb"] = distributed.max_over_ranks(
@@ -556,7 +567,10 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                                             for k_, v in met.items()}) + "\n")  # strict JSON: NaN -> null
                 if main and (step % t.logging_steps == 0 or step in (1, max_steps)):
                     print(log_line(step, max_steps, met), flush=True)
-                step_metrics, t_update = [], time.time()
+                if bad_in_row >= t.max_nonfinite_steps:  # after this step's metrics row
+                    raise FloatingPointError(f"{bad_in_row} non-finite steps in a row (train.max_nonfinite_steps="
+                                             f"{t.max_nonfinite_steps}); lower the learning rate or check rewards")
+                step_metrics, t_update = [], clock(device)
                 if step >= max_steps:
                     break
             if step >= max_steps:

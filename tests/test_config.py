@@ -706,6 +706,12 @@ def test_a_yaml_config_and_a_verl_section_are_named(tmp_path):
         load_config(write(tmp_path, "[actor_rollout_ref.rollout]\nn = 8\n"), [])
 
 
+def test_a_reward_function_listed_twice_is_an_error():
+    with pytest.raises(ConfigError, match=r"loss\.reward_funcs lists 'accuracy' more than once; .* list it once and "
+                                          r"weight it with loss\.reward_weights"):
+        load_config(None, ['loss.reward_funcs=["accuracy","accuracy"]', "loss.reward_weights=[1.0,0.5]"])
+
+
 def test_an_empty_config_file_warns_that_it_sets_nothing(tmp_path):
     with pytest.warns(UserWarning, match=r"sets nothing: the run takes rlcore's defaults"):
         load_config(write(tmp_path, "# to do\n"), [])

@@ -203,6 +203,17 @@ def extra_and_metric(prompts, completions, log_extra, log_metric, **columns):
     return [0.5] * len(completions)
 
 
+def logs_reward_mean(prompts, completions, log_metric, **columns):
+    log_metric("reward/mean", 123.0)
+    return [0.5] * len(completions)
+
+
+def test_a_log_metric_name_that_is_one_of_rlcores_metrics_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match=r"log_metric name 'reward/mean' is one of rlcore's own metrics; log it "
+                                         r"under another name \(e\.g\. 'custom/reward/mean'\)"):
+        train(config(tmp_path / "run", "train.max_steps=1", f"loss.reward_funcs=['{__name__}:logs_reward_mean']"))
+
+
 def logged_metric_is_the_mean_over_the_round(run, per_round):
     """custom/first_digit of each step is first_digit's mean over its round in completions.jsonl."""
     got = [json.loads(ln) for ln in (run / "completions.jsonl").read_text().splitlines()]
@@ -597,7 +608,8 @@ def test_too_many_nonfinite_steps_in_a_row_stop_the_run(tmp_path, monkeypatch):
     run = tmp_path / "run"
     with pytest.raises(FloatingPointError, match=r"2 non-finite steps in a row \(train.max_nonfinite_steps=2\)"):
         train(config(run, "train.max_steps=5", "train.max_nonfinite_steps=2"))
-    assert [r["step"] for r in rows(run)] == [1]  # step 2 raised before its row was written
+    got = rows(run)  # the step that stopped the run has its row
+    assert [(r["step"], r["skipped"], r["nonfinite_total"]) for r in got] == [(1, True, 1), (2, True, 2)]
 
 
 def test_reward_function_that_raises_stops_the_run_naming_it_and_the_sample(tmp_path):

@@ -177,6 +177,8 @@ def test_adaptive_entropy_control_steps_its_coefficient_and_resumes_it(tmp_path)
     got = rows(tmp_path / "a")
     assert [r["entropy_coef/applied"] for r in got] == pytest.approx([0.0, 0.03, 0.05, 0.07])
     assert [r["entropy_coef"] for r in got] == pytest.approx([0.03, 0.05, 0.07, 0.09])  # TRL's: after adapting
+    # what the controller measured: without an entropy mask, the step's token-mean entropy
+    assert [r["entropy_coef/entropy"] for r in got] == pytest.approx([r["entropy"] for r in got], rel=1e-5)
     assert main(["train", "--resume", str(tmp_path / "b")]) == 0
     a, b = weights(tmp_path / "a" / "checkpoint-4" / "model"), weights(tmp_path / "b" / "checkpoint-4" / "model")
     assert all(torch.equal(a[k], b[k]) for k in a)
