@@ -466,8 +466,9 @@ def parse_override(item: str) -> tuple[str, str, object]:
     parts = key.split(".")
     if len(parts) == 1 and parts[0] in SECTIONS:
         table = _toml_literal(raw)
+        first = _field_names(SECTIONS[parts[0]])[0]
         sets = ([_shell_set(f"{parts[0]}.{k}={_toml_value(v)}") for k, v in table.items()]
-                if isinstance(table, dict) and table else [f"--set {parts[0]}.{_field_names(SECTIONS[parts[0]])[0]}=..."])
+                if isinstance(table, dict) and table else [f"--set {parts[0]}.{first}=..."])
         raise ConfigError(f"--set {item}: {parts[0]} is a section; set one key at a time: " + " ".join(sets))
     if len(parts) == 1:
         section, name = _flat_target(parts[0])

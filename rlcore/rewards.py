@@ -7,8 +7,9 @@ The keywords are TRL's (`reward_inputs` builds them):
 - `completion_ids`: its token ids (a list of ints per completion);
 - `trainer_state`: an object with `global_step` (optimizer steps done) and `max_steps`;
 - `log_metric(name, value)`: adds `name` to the step's metrics (the mean of the values logged
-  while scoring the round, on all ranks; one of rlcore's own metric names is an error); `log_extra(column, values)` adds a column (one value
-  per completion) to completions.jsonl when train.log_completions is on, else it is dropped;
+  while scoring the round, on all ranks; one of rlcore's own metric names is an error);
+  `log_extra(column, values)` adds a column (one value per completion) to completions.jsonl
+  when train.log_completions is on, else it is dropped;
 - every dataset column, one value per completion (a prompt's columns repeated for its G
   completions; None where a row lacks a column other rows have).
 A function with `**kwargs` receives all of them; one without gets those it names. It returns

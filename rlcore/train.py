@@ -228,8 +228,8 @@ def next_prompts(examples: list[dict], pos: int, n: int, seed: int) -> list[dict
     """Examples pos .. pos+n-1 of an endless stream that reshuffles every pass (seeded)."""
     out = []
     for i in range(pos, pos + n):
-        epoch, j = divmod(i, len(examples))
-        order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch))
+        data_pass, j = divmod(i, len(examples))  # a pass over the data, not the loop's replay epoch
+        order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + data_pass))
         out.append(examples[order[j].item()])
     return out
 
@@ -296,9 +296,9 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
     check_vocab_fits(tok, model.config.vocab_size, model_dir)
     ref = reference_model(cfg, model, model_dir, ck, dtype, device) if lc.beta else None
     for split in (train_set, eval_set):
-        ids = encode_prompts(split, tok, cfg.data.system_prompt, cfg.data.use_chat_template,
-                             cfg.data.max_prompt_length, cfg.data.chat_template_kwargs)
-        for ex, p in zip(split, ids):
+        prompt_ids = encode_prompts(split, tok, cfg.data.system_prompt, cfg.data.use_chat_template,
+                                    cfg.data.max_prompt_length, cfg.data.chat_template_kwargs)
+        for ex, p in zip(split, prompt_ids):
             ex["prompt_ids"] = p
     for split, new_tokens, option in ((train_set, rc.max_completion_length, "rollout.max_completion_length"),
                                       (eval_set, t.eval_max_completion_length, "train.eval_max_completion_length")):

@@ -305,7 +305,8 @@ def test_directories_that_are_not_a_model_say_what_they_are(hf_checkpoint, tmp_p
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text("{}")
     (adapter / "adapter_model.safetensors").write_bytes(b"")
-    with pytest.raises(CheckpointError, match=r"lora is a LoRA adapter \(adapter_config\.json\), not a model; merge it"):
+    with pytest.raises(CheckpointError, match=r"lora is a LoRA adapter \(adapter_config\.json\), not a model; "
+                                              r"merge it"):
         load_model(adapter)
 
 

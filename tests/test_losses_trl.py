@@ -51,8 +51,9 @@ CASES = {
     "high-entropy tokens": ({"top_entropy_quantile": 0.4}, True),
     "off-policy mask": ({"off_policy_mask_threshold": 0.05}, True),
     "entropy bonus": ({"entropy_coef": 0.05}, False),
-    "all of it": ({"loss_type": "grpo", "beta": 0.02, "use_bias_correction_kl": False, "delta": 1.6, "epsilon_high": 0.28,
-                   "top_entropy_quantile": 0.5, "entropy_coef": 0.03, "off_policy_mask_threshold": 0.02}, True),
+    "all of it": ({"loss_type": "grpo", "beta": 0.02, "use_bias_correction_kl": False, "delta": 1.6,
+                   "epsilon_high": 0.28, "top_entropy_quantile": 0.5, "entropy_coef": 0.03,
+                   "off_policy_mask_threshold": 0.02}, True),
 }
 
 
