@@ -313,6 +313,39 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
                    "chat_template.jinja", "special_tokens_map.json")
 
 
+RUN_CONFIG_HEADER = "# rlcore: this run's configuration, which rlcore train --resume reads\n"
+
+
+def check_new_run_dir(run: Path) -> None:
+    """A new run writes config.toml and checkpoint-<step>/ into train.output_dir, and deletes its
+    own older checkpoints: the directory must hold no checkpoint-* entry and no config.toml that
+    rlcore did not write (a run that crashed before its first checkpoint leaves its own). Other
+    files (a log, a .gitkeep) stay as they are."""
+    existing = run
+    while not existing.exists():  # the nearest existing ancestor: the run directory is created under it
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == run else f"is inside {existing}, which is a file"
+        raise NotADirectoryError(f"train.output_dir = {run} {what}; choose a directory (it is created)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f"train.output_dir = {run}: {existing} is not writable; choose a directory you can "
+                              f"write to")
+    if existing != run:
+        return
+    if (run / "latest").exists():
+        raise FileExistsError(f"{run} already holds checkpoints; continue it with --resume {run}, "
+                              "or choose a new train.output_dir (nothing is overwritten)")
+    others = sorted(p.name for p in run.glob("checkpoint-*"))
+    config = run / "config.toml"
+    if config.is_file() and not config.read_text(errors="replace").startswith(RUN_CONFIG_HEADER):
+        others.append("config.toml")
+    if others:
+        listed = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise FileExistsError(f"train.output_dir = {run} already holds files that are not an rlcore run's ({listed}); "
+                              f"a run writes config.toml and checkpoint-<step>/ there and deletes its older "
+                              f"checkpoints: choose a new or empty train.output_dir (nothing was written)")
+
+
 def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep: int | None = 2,
                     ref=None) -> Path:
     """run/checkpoint-<step>/: HF weights + tokenizer + trainer_state.pt (+ `ref_model/`, HF weights
