@@ -5,7 +5,9 @@ so a TRL config mostly loads as it is. The names below are TRL's without an rlco
 that changes nothing about how rlcore trains (`report_to = "none"`, `use_vllm = false`, a
 `vllm_*` server setting) is dropped with a warning that says why; any other value is a
 `ConfigError` that says what to set instead. Without this table they would be "unknown config
-key" errors with a spelling hint that points at an unrelated option.
+key" errors with a spelling hint that points at an unrelated option. `FOREIGN` does the same for
+names users bring from verl and Unsloth: their "unknown config key" error names rlcore's
+equivalent, or why there is none.
 """
 
 from __future__ import annotations
