@@ -376,14 +376,23 @@ def with_absolute_paths(config: Config) -> Config:
     return config
 
 
-def recorded_model_path(config_toml: Path) -> str | None:
-    """The model.path a run directory's config.toml records ("embedded" for the embedded model),
-    read without applying or checking the rest; None when the file is absent."""
+def recorded_model(config_toml: Path) -> str | None:
+    """The model a run directory's config.toml records, read without applying or checking the
+    rest: its model.path, or for the embedded model "embedded (data.seed = S, data.num_eval = E)",
+    the keys its build depends on; None when the file is absent."""
     if not config_toml.is_file():
         return None
     with open(config_toml, "rb") as f:
-        path = tomllib.load(f).get("model", {}).get("path", "")
-    return "embedded" if path in ("", "embedded") else path
+        recorded = tomllib.load(f)
+    path, data = recorded.get("model", {}).get("path", ""), recorded.get("data", {})
+    if path not in ("", "embedded"):
+        return path
+    return embedded_model_name(data.get("seed", DataArgs.seed), data.get("num_eval", DataArgs.num_eval))
+
+
+def embedded_model_name(seed: int, num_eval: int) -> str:
+    """The embedded model is built from the problems that data.seed and data.num_eval hold out."""
+    return f"embedded (data.seed = {seed}, data.num_eval = {num_eval})"
 
 
 def load_config(path: str | None = None, overrides: list[str] = (), world_size: int = 1) -> Config:

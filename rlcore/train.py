@@ -34,8 +34,8 @@ import torch
 from rlcore.checkpoint import (RUN_CONFIG_HEADER, check_model_dir, check_new_run_dir, checkpoint_step,
                                latest_checkpoint, load_model, load_resumed_model, load_trainer_state, resolve_dtype,
                                save_checkpoint)
-from rlcore.config import (Config, dump_config, epoch_steps, generation_steps, recorded_model_path, validate,
-                           warn_bf16_weights, with_absolute_paths)
+from rlcore.config import (Config, dump_config, embedded_model_name, epoch_steps, generation_steps, recorded_model,
+                           validate, warn_bf16_weights, with_absolute_paths)
 from rlcore import RlcoreWarning, distributed
 from rlcore.data import encode_prompts, load_examples
 from rlcore.embedded import build_embedded_model
@@ -141,21 +141,26 @@ def clock(device: torch.device) -> float:
 
 
 def check_resumed_model(run: Path, cfg: Config) -> None:
-    """A resumed run keeps the model.path it started from (its config.toml's), and needs it: the
+    """A resumed run keeps the model it started from (its config.toml's), and needs it: the
     tokenizer, and with beta the reference model, come from there. Another spelling of the same
-    directory is the same model, and so is a new place once the recorded one is gone (moved)."""
-    started, now = recorded_model_path(run / "config.toml"), cfg.model.path or "embedded"
-    if now != "embedded" and not Path(now).exists():
+    directory is the same model, and so is a new place once the recorded one is gone (moved).
+    The embedded model is the one data.seed and data.num_eval built."""
+    embedded = cfg.model.path in ("", "embedded")
+    started = recorded_model(run / "config.toml")
+    now = embedded_model_name(cfg.data.seed, cfg.data.num_eval) if embedded else cfg.model.path
+    if not embedded and not Path(now).exists():
         needed = "the tokenizer and the reference model are" if cfg.loss.beta else "the tokenizer is"
         raise FileNotFoundError(f"--resume {run}: the run's model.path {now} is gone (a relative path is taken "
                                 f"from the current directory); {needed} read from it: restore it, or give its "
                                 f"new place with --set model.path=...")
     if started is None or started == now:
         return
-    if "embedded" in (started, now) or Path(started).exists() and not os.path.samefile(started, now):
+    if embedded or started.startswith("embedded (") or Path(started).exists() and not os.path.samefile(started, now):
+        what = ("drop the new data.seed / data.num_eval, which choose the embedded model and its held-out set"
+                if embedded and started.startswith("embedded (") else "drop the new model.path")
         raise ValueError(f"--resume {run}: model.path = {now}, but the run started from {started} (its "
-                         f"config.toml); a resumed run keeps its model and tokenizer: drop the new model.path, "
-                         f"or start a new run from a checkpoint's model/ directory")
+                         f"config.toml); a resumed run keeps its model and tokenizer: {what}, or start a new run "
+                         f"from a checkpoint's model/ directory")
 
 
 def reference_model(cfg: Config, model, model_dir: Path, ck: Path | None, dtype: str, device) -> torch.nn.Module:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlcore.cli import main
-from test_train import NUM_EVAL, SMALL, cli_args, rows, weights
+from test_train import NUM_EVAL, SEED, SMALL, cli_args, rows, weights
 
 pytestmark = pytest.mark.usefixtures("embedded_dir")  # conftest: the embedded model, one torch thread
 
@@ -82,6 +82,17 @@ def test_cli_resume_of_a_run_without_config_toml_asks_for_its_config(tmp_path, c
     assert f"the run directory has no config.toml; give the config the run was started with: rlcore train " \
            f"CONFIG --resume {run}" in capsys.readouterr().err
     assert not (run / "config.toml").exists() and (run / "latest").read_text().strip() == "checkpoint-1"
+
+
+def test_cli_resume_keeps_the_embedded_model_its_data_seed_built(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(cli_args(run, "train.max_steps=1")) == 0
+    recorded = (run / "config.toml").read_bytes()
+    assert main(["train", "--resume", str(run), "--set", "train.max_steps=2", "--set", f"data.seed={SEED + 1}"]) == 1
+    assert (f"--resume {run}: model.path = embedded (data.seed = {SEED + 1}, data.num_eval = {NUM_EVAL}), but the "
+            f"run started from embedded (data.seed = {SEED}, data.num_eval = {NUM_EVAL}) (its config.toml); a resumed run "
+            f"keeps its model and tokenizer: drop the new data.seed / data.num_eval") in capsys.readouterr().err
+    assert (run / "config.toml").read_bytes() == recorded  # and no second model was built
 
 
 def test_cli_resume_keeps_the_runs_model_and_needs_it(tmp_path, capsys, embedded_dir, monkeypatch):

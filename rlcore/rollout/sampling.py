@@ -9,7 +9,7 @@ The repetition penalty (transformers' `RepetitionPenaltyLogitsProcessor`, TRL's 
 its completion so far): a positive logit is divided by the penalty, a negative one multiplied,
 so a penalty > 1 makes repeats less likely and < 1 more likely.
 
-Two log-probs come back per token (SPEC 4.3):
+Two log-probs come back per token (SPEC section 4, item 3):
 - `sampling_logprobs`: under the distribution actually sampled from (after the penalty and
   the filters);
 - `full_logprobs`: under the full temperature-scaled distribution, which is what the trainer
