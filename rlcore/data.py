@@ -240,7 +240,8 @@ def format_prompt(example: dict, tokenizer, system_prompt: str | None = None,
             shown = (m["content"].split("</think>")[-1] if m["role"] == "assistant" else m["content"]).strip()
             # Llama 3.1's renders a tool result as a JSON string (tojson): quotes and newlines escaped
             as_json = (json.dumps(shown)[1:-1], json.dumps(shown, ensure_ascii=False)[1:-1])
-            if shown not in text and not any(j in text for j in as_json):
+            words = " ".join(shown.split())  # a template that trims or re-spaces the text still shows it
+            if shown not in text and not any(j in text for j in as_json) and words not in " ".join(text.split()):
                 fix = (SHAREGPT_FIX if m["role"] in ("human", "gpt") else
                        "this chat template drops system messages: unset data.system_prompt"
                        if label == "data.system_prompt" else

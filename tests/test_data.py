@@ -344,6 +344,12 @@ def test_a_system_prompt_the_template_drops_is_an_error_naming_data_system_promp
                       tok)
 
 
+def test_a_template_that_respaces_a_message_still_shows_it(char_tokenizer):
+    # e.g. a template that collapses a message's line breaks: its words are all in the prompt
+    tok = char_tokenizer("{% for m in messages %}{{ m['content'] | replace('\\n', ' ') }}|{% endfor %}")
+    assert format_prompt({"prompt": [{"role": "user", "content": "Add:\n40 + 28"}]}, tok)
+
+
 def test_an_earlier_turns_reasoning_may_be_dropped_by_the_template(char_tokenizer):
     """As Qwen3's and DeepSeek-R1's templates render an assistant turn: without its <think> block."""
     tok = char_tokenizer("{% for m in messages %}{% set c = m['content'] %}{% if m['role'] == 'assistant' %}"
