@@ -273,8 +273,10 @@ def policy_loss(
         l_pg = l_pg * tis_weights
     # 4. KL to the reference, k3 estimator (Schulman 2020; DeepSeekMath): >= 0, unbiased on-policy.
     per_token = l_pg
+    # k3 = exp(x) - 1 - x, x = ref - logp; computed as expm1(x) - x since exp(x) - 1 rounds below 0 in fp32
+    k3 = None if ref is None else torch.expm1(ref - logp) - (ref - logp)
     if beta != 0.0:
-        kl = torch.expm1(ref - logp) - (ref - logp)  # exp(x) - 1 - x; exp(x) - 1 rounds below 0 in fp32
+        kl = k3
         if use_bias_correction_kl:
             # TRL's use_bias_correction_kl: the k3 of tokens sampled from pi_old, weighted by
             # r = pi_theta / pi_old to estimate KL(pi_theta || ref); on-policy r = 1 in value
@@ -302,7 +304,7 @@ def policy_loss(
         elif loss == "cispo":
             metrics["clip_ratio/high"] = masked_mean((r > eps_high).float(), mask)
         if ref is not None:
-            metrics["kl_ref"] = masked_mean(torch.exp(ref - logp) - (ref - logp) - 1, mask)
+            metrics["kl_ref"] = masked_mean(k3, mask)
         if entropy is not None:
             metrics["entropy"] = masked_mean(entropy, mask)
         if top_entropy_quantile < 1.0:
