@@ -1,6 +1,10 @@
 """rlcore: a from-scratch, pure-PyTorch RL post-training framework for language models."""
 
+from pathlib import Path
+
 __version__ = "0.1.0"
+
+EMBEDDED_DEFAULT = Path(__file__).with_name("default.toml")  # the embedded default run: `rlcore train`
 
 
 class RlcoreWarning(UserWarning):

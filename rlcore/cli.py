@@ -11,9 +11,9 @@ import time
 import warnings
 from pathlib import Path
 
-from rlcore import RlcoreWarning
+from rlcore import EMBEDDED_DEFAULT, RlcoreWarning
 
-DEFAULT_CONFIG = str(Path(__file__).with_name("default.toml"))  # the embedded default run
+DEFAULT_CONFIG = str(EMBEDDED_DEFAULT)  # the embedded default run
 
 
 def plot_metrics(run_dir: Path) -> str:
@@ -107,6 +107,9 @@ def run_command(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config or DEFAULT_CONFIG, args.overrides,
                           world_size=int(os.environ.get("WORLD_SIZE", "1")))  # set by torchrun
+        if cfg.base and launch_rank() == 0:
+            print(f"rlcore: {args.config} names no model (model.path), so it trains the embedded tiny model; "
+                  f"the keys it leaves unset take the embedded default's values ({cfg.base})", file=sys.stderr)
         if args.resume:
             cfg.train.output_dir = args.resume
         else:  # a fresh run directory per invocation when the config asks for one

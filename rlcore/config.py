@@ -5,7 +5,10 @@ a TRL-style flat key at the top level of a TOML file (`beta = 0.04`) goes to the
 that has it. Each field's docstring is the string on the line after it; `field_docs` reads them
 back, so the README's table and `rlcore options` come from this file.
 
-Precedence: dataclass defaults < TOML file < `--set section.key=value`, applied in order.
+Precedence: dataclass defaults < TOML file < `--set section.key=value`, applied in order. A
+config file that names no model (model.path unset or "", in the file and the `--set` values)
+trains the embedded tiny model, so its unset keys come from the embedded default run
+(rlcore/default.toml), not from the dataclass defaults (which are TRL's, for real models).
 
 Defaults that depend on another field are filled in when the config is built (as TRL does in
 `__post_init__`): `train.steps_per_generation` (= GA), `loss.epsilon_high` (= epsilon),
@@ -31,7 +34,8 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rlcore import RlcoreWarning, trl_options
+from rlcore import EMBEDDED_DEFAULT, RlcoreWarning, trl_options
+from rlcore.checkpoint import RUN_CONFIG_HEADER
 from rlcore.rewards import REWARDS
 
 if sys.version_info >= (3, 11):
@@ -425,14 +429,24 @@ def load_config(path: str | None = None, overrides: list[str] = (), world_size: 
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
         except OSError as e:
             raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
-    if path is not None and not d:
-        warnings.warn(f"config file {path} sets nothing: the run takes rlcore's defaults (rlcore options), "
-                      f"not those of configs/default.toml", RlcoreWarning, stacklevel=2)
+    empty = path is not None and not d
     d = normalize(d)
     layer = {}
     for item in overrides:
         section, key, value = parse_override(item)
         layer.setdefault(section, {})[key] = value
+    base = None
+    if path is not None and builds_on_embedded_default(path, d, layer):
+        with open(EMBEDDED_DEFAULT, "rb") as f:
+            base = normalize(tomllib.load(f))
+        train_file = d.get("train", {})
+        if "num_train_epochs" in train_file and "max_steps" not in train_file:
+            base["train"].pop("max_steps", None)  # the file counts epochs (as a layer of its own would)
+        d = {section: {**base.get(section, {}), **d.get(section, {})} for section in {*base, *d}}
+    if empty:
+        warnings.warn(f"config file {path} sets nothing: the run is " + ("the embedded default (rlcore/default.toml)"
+                      if base else "rlcore's defaults (rlcore options)") + " with the --set values",
+                      RlcoreWarning, stacklevel=2)
     given = {(section, key) for section, values in layer.items() for key in values}
     _expand_trl_loss_type(layer)  # --set loss_type=cispo sets policy_loss too, over the file's
     for section, values in layer.items():
@@ -440,8 +454,23 @@ def load_config(path: str | None = None, overrides: list[str] = (), world_size: 
     if ("train", "num_train_epochs") in given and ("train", "max_steps") not in given:
         d["train"]["max_steps"] = -1  # the overrides mean the epochs, whatever the file's max_steps
     config = Config.from_dict(d)
+    config.base = None if base is None else str(EMBEDDED_DEFAULT)  # not a field: the CLI says what it ran
     validate(config, world_size)
     return config
+
+
+def builds_on_embedded_default(path: str, file: dict, overrides: dict) -> bool:
+    """Whether the config file at `path` (`file` read and normalized, `overrides` the --set layer)
+    takes its unset keys from the embedded default: it names no model, so it trains the embedded
+    tiny model, which TRL's defaults do not fit (512 new tokens, lr 1e-6, another held-out set and so
+    another embedded model). A run's own config.toml is complete and is read as it is."""
+    if Path(path).resolve() == EMBEDDED_DEFAULT.resolve():
+        return False
+    with open(path, encoding="utf-8", errors="replace") as f:
+        if f.read(len(RUN_CONFIG_HEADER)) == RUN_CONFIG_HEADER:
+            return False
+    model_path = overrides.get("model", {}).get("path", file.get("model", {}).get("path", ""))
+    return not model_path
 
 
 def looks_like_yaml(path: str) -> bool:

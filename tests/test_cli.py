@@ -146,6 +146,15 @@ def test_cli_a_file_in_the_current_directory_does_not_shadow_a_dependency(tmp_pa
     assert run.returncode == 1 and "--resume nowhere: no such run directory" in run.stderr, run.stderr
 
 
+def test_cli_says_when_a_config_builds_on_the_embedded_default(tmp_path, capsys):
+    (tmp_path / "sapo.toml").write_text("[loss]\npolicy_loss = 'sapo'\n")
+    assert main(["train", str(tmp_path / "sapo.toml"), "--resume", str(tmp_path / "nothing")]) == 1
+    assert (f"{tmp_path / 'sapo.toml'} names no model (model.path), so it trains the embedded tiny model; the keys "
+            f"it leaves unset take the embedded default's values") in capsys.readouterr().err
+    assert main(["train", str(tmp_path / "sapo.toml"), "--set", "model.path=/ckpt", "--resume", "nothing"]) == 1
+    assert "names no model" not in capsys.readouterr().err
+
+
 def test_cli_refuses_to_train_over_an_existing_run(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(cli_args(run, "train.max_steps=1")) == 0

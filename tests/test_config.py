@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from rlcore import EMBEDDED_DEFAULT
+from rlcore.checkpoint import RUN_CONFIG_HEADER
 from rlcore.config import (SECTIONS, Config, ConfigError, config_to_dict, dump_config, field_docs,
                            load_config, options_table, parse_override, validate)
 
@@ -713,8 +715,32 @@ def test_a_reward_function_listed_twice_is_an_error():
 
 
 def test_an_empty_config_file_warns_that_it_sets_nothing(tmp_path):
-    with pytest.warns(UserWarning, match=r"sets nothing: the run takes rlcore's defaults"):
-        load_config(write(tmp_path, "# to do\n"), [])
+    with pytest.warns(UserWarning, match=r"sets nothing: the run is the embedded default \(rlcore/default.toml\)"):
+        assert load_config(write(tmp_path, "# to do\n"), []) == load_config(str(EMBEDDED_DEFAULT), [])
+    with pytest.warns(UserWarning, match=r"sets nothing: the run is rlcore's defaults \(rlcore options\) with the "):
+        c = load_config(write(tmp_path, "\n"), ["model.path=/ckpt/qwen"])
+    assert c.base is None and c.train.learning_rate == 1e-6  # TRL's default, for a real model
+
+
+def test_a_config_without_a_model_builds_on_the_embedded_default(tmp_path):
+    # No model.path: the embedded tiny model, so the keys the file leaves unset are the default
+    # run's (TRL's defaults would build another embedded model and train it with lr 1e-6 for 512 tokens).
+    embedded = load_config(str(EMBEDDED_DEFAULT), [])
+    assert embedded.base is None
+    c = load_config(write(tmp_path, "[loss]\npolicy_loss = 'sapo'\n"), [])
+    assert c.base == str(EMBEDDED_DEFAULT) and c.loss.policy_loss == "sapo"
+    assert dataclasses.replace(c, loss=embedded.loss) == embedded  # everything else is the default run's
+    assert load_config(write(tmp_path, "num_iterations = 2\n[model]\npath = ''\n"), []).train.max_steps == 300
+    t = load_config(write(tmp_path, "num_train_epochs = 2\n"), []).train  # the file counts epochs
+    assert (t.max_steps, t.num_train_epochs, t.learning_rate) == (-1, 2.0, 1e-4)
+    # A model named in the file or with --set: TRL's defaults under the file, as for any real model.
+    for file, sets in (("model_name_or_path = '/ckpt/qwen'\n", []), ("beta = 0.0\n", ["model.path=/ckpt/qwen"])):
+        c = load_config(write(tmp_path, file), sets)
+        assert c.base is None and (c.train.learning_rate, c.rollout.max_completion_length) == (1e-6, 512)
+    # A run's own config.toml is complete: read as it is.
+    run_toml = tmp_path / "config.toml"
+    run_toml.write_text(RUN_CONFIG_HEADER + dump_config(Config()))
+    assert load_config(str(run_toml), []) == Config()
 
 
 def test_dumped_toml_is_valid_toml():
