@@ -20,20 +20,30 @@ def reduce_metrics(parts: list[dict], world: int = 1, device: torch.device | Non
     combined over this rank's parts and all ranks as if computed over all their tokens at once.
 
     `loss` is summed over the parts (the step's gradient is that of the sum) and averaged over
-    ranks (as the gradients are); `tokens` is summed; keys ending in `_max` take the maximum.
-    Every other entry is a mean over active tokens, so it is weighted by them (an unweighted
-    mean would let a micro-batch of short completions count as much as one of long ones).
-    One all-reduce of the sums and one of the maxima, whatever the number of keys.
+    ranks (as the gradients are); `tokens` is summed; keys ending in `_max` or `/max` take the
+    maximum, `_min` or `/min` the minimum. Every other entry is a mean over active tokens, so it
+    is weighted by them (an unweighted mean would let a micro-batch of short completions count as
+    much as one of long ones). Every part must have the same keys (a ValueError names the first
+    difference). One all-reduce of the sums and one of the extremes, whatever the number of keys.
     """
-    means = [k for k in parts[0] if k not in ("loss", "tokens") and not k.endswith("_max")]
-    maxes = [k for k in parts[0] if k.endswith("_max")]
+    keys = list(parts[0])
+    for i, d in enumerate(parts[1:], 1):
+        if set(d) != set(keys):
+            odd = sorted(set(d) ^ set(keys))[0]
+            raise ValueError(f"the metrics of micro-batch {i} {'lack' if odd in keys else 'add'} {odd!r} (micro-batch "
+                             f"0 has {sorted(keys)}); a loss must return the same metric keys for every micro-batch")
+    maxes = [k for k in keys if k.endswith(("_max", "/max"))]
+    mins = [k for k in keys if k.endswith(("_min", "/min"))]
+    means = [k for k in keys if k not in ("loss", "tokens", *maxes, *mins)]
     sums = [sum(d.get("loss", 0.0) for d in parts), sum(d["tokens"] for d in parts)]
     sums = distributed.sum_over_ranks(sums + [sum(d[k] * d["tokens"] for d in parts) for k in means], world, device)
-    peaks = distributed.max_over_ranks([max(d[k] for d in parts) for k in maxes], world, device)
+    peaks = distributed.max_over_ranks([max(d[k] for d in parts) for k in maxes] +
+                                       [-min(d[k] for d in parts) for k in mins], world, device)  # min = -max(-x)
     out = {"loss": sums[0] / world} if "loss" in parts[0] else {}
     out["tokens"] = sums[1]
     out.update({k: s / max(sums[1], 1) for k, s in zip(means, sums[2:])})
     out.update(zip(maxes, peaks))
+    out.update({k: -v for k, v in zip(mins, peaks[len(maxes):])})
     return out
 
 

@@ -39,17 +39,30 @@ def reduce_on_two_ranks(rank, store_path, parts, out):
 
 def test_step_metrics_combine_ranks_as_one_batch(tmp_path):
     """Two gloo ranks: the loss is averaged over ranks (as DDP averages gradients), token means
-    weighted by each rank's tokens, `_max` keys the maximum over both."""
+    weighted by each rank's tokens, `_max` / `/max` keys the maximum over both, `/min` the minimum."""
     import torch.multiprocessing as mp
 
-    parts = [[{"loss": 0.1, "tokens": 2.0, "entropy": 1.0, "mismatch/abs_max": 3.0}],
-             [{"loss": 0.2, "tokens": 4.0, "entropy": 2.0, "mismatch/abs_max": 5.0},
-              {"loss": 0.1, "tokens": 2.0, "entropy": 5.0, "mismatch/abs_max": 1.0}]]
+    parts = [[{"loss": 0.1, "tokens": 2.0, "entropy": 1.0, "mismatch/abs_max": 3.0, "ratio/max": 1.5,
+               "ratio/min": 0.7}],
+             [{"loss": 0.2, "tokens": 4.0, "entropy": 2.0, "mismatch/abs_max": 5.0, "ratio/max": 1.9,
+               "ratio/min": 0.5},
+              {"loss": 0.1, "tokens": 2.0, "entropy": 5.0, "mismatch/abs_max": 1.0, "ratio/max": 1.2,
+               "ratio/min": 0.6}]]
     out = mp.Manager().dict()
     mp.spawn(reduce_on_two_ranks, args=(str(tmp_path / "store"), parts, out), nprocs=2)
-    expected = {"loss": (0.1 + 0.3) / 2, "tokens": 8.0, "entropy": (2 + 8 + 10) / 8, "mismatch/abs_max": 5.0}
+    expected = {"loss": (0.1 + 0.3) / 2, "tokens": 8.0, "entropy": (2 + 8 + 10) / 8, "mismatch/abs_max": 5.0,
+                "ratio/max": 1.9, "ratio/min": 0.5}
     for rank in (0, 1):
         assert out[rank] == pytest.approx(expected)
+
+
+def test_step_metrics_with_different_keys_per_micro_batch_are_an_error():
+    parts = [{"loss": 0.1, "tokens": 2.0, "entropy": 1.0}, {"loss": 0.1, "tokens": 2.0}]
+    with pytest.raises(ValueError, match=r"the metrics of micro-batch 1 lack 'entropy' \(micro-batch 0 has "
+                                         r"\['entropy', 'loss', 'tokens'\]\); a loss must return the same"):
+        reduce_metrics(parts)
+    with pytest.raises(ValueError, match=r"micro-batch 1 add 'ratio/max'"):
+        reduce_metrics([parts[0], {**parts[0], "ratio/max": 2.0}])
 
 
 @pytest.mark.parametrize("column, values, error", [
