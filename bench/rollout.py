@@ -5,6 +5,11 @@ vocab 32000, tied embeddings, fp32); 8 prompts x G=8 = 64 sequences, 64-token pr
 exactly 128 new tokens each (no EOS), plain sampling at temperature 1.
 
     flock /tmp/rlcore-bench.lock python bench/rollout.py
+    python bench/rollout.py --device cuda [--shape qwen2.5-0.5b] [--prompts 32]   # on a GPU
+
+`--shape qwen2.5-0.5b` takes Qwen2.5-0.5B's shape instead (hidden 896, 24 layers, 14 heads,
+2 KV heads, intermediate 4864, vocab 151936, tied), still random. On a GPU both sides run in fp32
+with TF32 off, timed with CUDA synchronised before each clock read.
 
 The last line is `rollout_speedup_vs_hf=<ratio>`.
 """
@@ -31,17 +36,26 @@ from rlcore.rollout import generate
 HF_CONFIG = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
                  tie_word_embeddings=True, use_sliding_window=False)
+SHAPES = {"bench": HF_CONFIG,
+          "qwen2.5-0.5b": dict(HF_CONFIG, vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                               num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2)}
 
 
-def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
+def clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def matmul_peak_gflops(device: torch.device, n: int = 2048, repeats: int = 5) -> float:
     """This machine's fp32 matmul throughput: the best of a few n x n x n products."""
-    a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+    a, b, c = (torch.randn(n, n, device=device) for _ in range(3))
     torch.mm(a, b, out=c)
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock(device)
         torch.mm(a, b, out=c)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock(device) - t0)
     return 2 * n**3 / best / 1e9
 
 
@@ -68,21 +82,26 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--shape", default="bench", choices=sorted(SHAPES))
     args = ap.parse_args()
+    device = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 on both sides (PyTorch's default)
 
     torch.manual_seed(args.seed)
-    hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**HF_CONFIG)).eval()
+    hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SHAPES[args.shape])).eval()
     cfg = ModelConfig.from_hf(json.loads(hf.config.to_json_string()))
     model = Transformer(cfg).eval()
     model.load_state_dict(hf.state_dict(), strict=False)  # the tied lm_head key is extra
+    hf, model = hf.to(device), model.to(device)
 
     g = torch.Generator().manual_seed(args.seed)
-    prompts = torch.randint(2, cfg.vocab_size, (args.prompts, args.prompt_len), generator=g)
+    prompts = torch.randint(2, cfg.vocab_size, (args.prompts, args.prompt_len), generator=g).to(device)
     N, new = args.prompts * args.G, args.new_tokens
 
     def run_rlcore(max_new: int):
         return generate(model, prompts.tolist(), args.G, max_new, eos_token_ids=[], pad_token_id=0,
-                        temperature=1.0, generator=torch.Generator().manual_seed(args.seed))
+                        temperature=1.0, generator=torch.Generator(device).manual_seed(args.seed))
 
     def run_hf(max_new: int):
         with torch.inference_mode():
@@ -91,22 +110,24 @@ def main() -> None:
                                min_new_tokens=max_new, num_return_sequences=args.G,
                                eos_token_id=None, pad_token_id=0)
 
-    peak = matmul_peak_gflops()
+    peak = matmul_peak_gflops(device)
     run_rlcore(4), run_hf(4)  # warm-up: first-call overheads out of the timings
-    t0 = time.perf_counter()
+    t0 = clock(device)
     out = run_rlcore(new)
-    t_rl = time.perf_counter() - t0
+    t_rl = clock(device) - t0
     assert out.completion_ids.shape == (N, new) and bool((out.lengths == new).all())
-    t0 = time.perf_counter()
+    t0 = clock(device)
     hf_out = run_hf(new)
-    t_hf = time.perf_counter() - t0
+    t_hf = clock(device) - t0
     assert hf_out.shape == (N, args.prompt_len + new)
 
-    peak = max(peak, matmul_peak_gflops())  # before and after: the machine may be shared
+    peak = max(peak, matmul_peak_gflops(device))  # before and after: the machine may be shared
     flops = rollout_flops(cfg, args.prompts, args.G, args.prompt_len, new)
-    print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, fp32 matmul peak {peak:.0f} GFLOP/s (2048^3 mm)")
-    print(f"workload: {args.prompts} prompts x G={args.G} = {N} sequences, {args.prompt_len}-token "
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda" else
+             f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
+    print(f"machine: {where}, torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"fp32 matmul peak {peak:.0f} GFLOP/s (2048^3 mm)")
+    print(f"workload: {args.shape} shape, {args.prompts} prompts x G={args.G} = {N} sequences, {args.prompt_len}-token "
           f"prompts, {new} new tokens each, fp32, temperature 1, model FLOPs {flops / 1e9:.0f} G")
     for name, secs in (("rlcore", t_rl), ("transformers", t_hf)):
         print(f"{name}: {N * new / secs:.0f} new tokens/s ({secs:.2f} s), "

@@ -403,3 +403,16 @@ def test_a_dtype_wider_than_the_model_is_an_error_naming_both():
     model = rlcore_model(make_hf_model("qwen2")).to(torch.bfloat16)
     with pytest.raises(ValueError, match=r"dtype torch\.float32 is wider than the model's torch\.bfloat16"):
         generate(model, [[3, 4]], 2, 2, eos_token_ids=[1], pad_token_id=PAD, dtype=torch.float32)
+
+
+def test_decoding_on_cuda_leaves_cudnn_attention_out():
+    """cuDNN's attention plans every new key length on the CPU (~1.8 ms a call on an H200), and
+    decoding lengthens the keys every step: CUDA decoding steps may use the other kernels only."""
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with engine.decoding_attention(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with engine.decoding_attention(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled()
