@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -314,6 +315,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 
 
 RUN_CONFIG_HEADER = "# rlcore: this run's configuration, which rlcore train --resume reads\n"
+
+
+def recorded_ranks(run_config: Path) -> int | None:
+    """The rank count a run's config.toml records on the line after the header (`# ranks = 2`);
+    None for a run written before rlcore recorded it."""
+    lines = run_config.read_text(errors="replace").splitlines()[1:2]
+    return int(lines[0].split("=")[1]) if lines and re.fullmatch(r"# ranks = \d+", lines[0]) else None
+
+
+def resume_command(run: Path, ranks: int) -> str:
+    """The command that continues `run`, trained on `ranks` processes (on one machine)."""
+    if ranks == 1:
+        return f"rlcore train --resume {run}"
+    return f"torchrun --nproc_per_node={ranks} -m rlcore.cli train --resume {run}"
 
 
 def check_new_run_dir(run: Path) -> None:

@@ -53,6 +53,15 @@ def launch_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def report(message: str, error: BaseException | None = None) -> None:
+    """Print an error line to stderr. Under torchrun rank 0 alone does: every rank meets the same
+    config, data and checkpoint errors, and an error one rank meets alone (a reward function on its
+    rows) reaches every rank first (`distributed.raise_together`); an error marked `rank_local`
+    (more ranks than GPUs) is printed by the rank that met it."""
+    if launch_rank() == 0 or getattr(error, "rank_local", False):
+        print(message, file=sys.stderr)
+
+
 def plain_warnings(message, category, filename, lineno, file=None, line=None, *, shown: set,
                    _default=warnings.showwarning):
     """rlcore's own warnings (RlcoreWarning) as one `rlcore: warning:` line, each once (the config
@@ -92,21 +101,28 @@ def run_command(argv: list[str] | None = None) -> int:
         print(options_table())
         return 0
 
+    from rlcore.checkpoint import recorded_ranks, resume_command
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
     run_config = None  # the run's own config.toml, read back by --resume
     if args.resume and not args.config and (Path(args.resume) / "latest").is_file():  # else: an error below
         if not (Path(args.resume) / "config.toml").is_file():  # train() writes it; older Python-started runs lack it
-            print(f"rlcore: error: --resume {args.resume}: the run directory has no config.toml; give the config "
-                  f"the run was started with: rlcore train CONFIG --resume {args.resume}", file=sys.stderr)
+            report(f"rlcore: error: --resume {args.resume}: the run directory has no config.toml; give the config "
+                   f"the run was started with: rlcore train CONFIG --resume {args.resume}")
             return 1
         args.config = run_config = str(Path(args.resume) / "config.toml")
+        ranks = recorded_ranks(Path(run_config))
+        if ranks is not None and ranks != world:  # before the batch checks, which would blame the batch size
+            report(f"rlcore: error: --resume {args.resume}: the run was trained on {ranks} rank(s) and this command "
+                   f"starts {world}; resume it on as many: {resume_command(Path(args.resume), ranks)}")
+            return 1
     # Reward functions named "module:function" import from the current directory, as with
     # `python -m rlcore.cli` (the `rlcore` script alone would not look there); last on the path,
     # so a file there named like one of rlcore's dependencies does not shadow it.
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     try:
-        cfg = load_config(args.config or DEFAULT_CONFIG, args.overrides,
-                          world_size=int(os.environ.get("WORLD_SIZE", "1")))  # set by torchrun
+        cfg = load_config(args.config or DEFAULT_CONFIG, args.overrides, world_size=world)
         if cfg.base and launch_rank() == 0:
             print(f"rlcore: {args.config} names no model (model.path), so it trains the embedded tiny model; "
                   f"the keys it leaves unset take the embedded default's values ({cfg.base})", file=sys.stderr)
@@ -116,7 +132,7 @@ def run_command(argv: list[str] | None = None) -> int:
             cfg.train.output_dir = cfg.train.output_dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S"))
     except ConfigError as e:
         where = f" in {run_config} (the run's configuration, or the --set values)" if run_config else ""
-        print(f"rlcore: config error{where}: {e}", file=sys.stderr)
+        report(f"rlcore: config error{where}: {e}")  # every rank checks the same config: rank 0 says it
         return 2
 
     from rlcore import distributed
@@ -125,31 +141,31 @@ def run_command(argv: list[str] | None = None) -> int:
 
     run = Path(cfg.train.output_dir)
     if args.resume and not run.is_dir():
-        print(f"rlcore: error: --resume {run}: no such run directory", file=sys.stderr)
+        report(f"rlcore: error: --resume {run}: no such run directory")
         return 1
     if args.resume and not (run / "latest").is_file():
         hint = ""
         if (run / "trainer_state.pt").is_file():  # a checkpoint, as the Trainer's resume_from_checkpoint takes
             hint = (f"; it is a checkpoint: --resume takes its run directory, --resume {run.parent} (which "
                     f"continues from the checkpoint its `latest` names)")
-        print(f"rlcore: error: --resume {run}: no checkpoint there (no `latest` file){hint}", file=sys.stderr)
+        report(f"rlcore: error: --resume {run}: no checkpoint there (no `latest` file){hint}")
         return 1
     t0 = time.time()
     try:
         result = train(cfg, resume=args.resume)
     except RewardFunctionError as e:  # the user's function failed: its own frames, not rlcore's
-        print(f"rlcore: error: {e}\n{e.trace}", end="", file=sys.stderr)
+        report(f"rlcore: error: {e}\n{e.trace}".rstrip("\n"), e)
         return 1
     except (ValueError, TypeError, OSError, FloatingPointError) as e:
         # Bad input (checkpoint, data, reward function output, run directory) or a diverged run:
         # the message names the problem and the value; a traceback would only bury it.
-        print(f"rlcore: error: {e}", file=sys.stderr)
+        report(f"rlcore: error: {e}", e)
         return 1
     except KeyboardInterrupt:  # Ctrl-C (one process; torchrun stops its workers with SIGTERM instead)
         if launch_rank() != 0:
             return 130
         kept = (run / "latest").read_text().strip() if (run / "latest").is_file() else None
-        print("\nrlcore: interrupted; " + (f"{run} keeps {kept}: continue with rlcore train --resume {run}" if kept
+        print("\nrlcore: interrupted; " + (f"{run} keeps {kept}: continue with {resume_command(run, world)}" if kept
               else "no checkpoint was written yet (train.save_steps), so a new run starts over"), file=sys.stderr)
         return 130
     finally:

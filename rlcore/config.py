@@ -37,6 +37,7 @@ from typing import Literal
 from rlcore import EMBEDDED_DEFAULT, RlcoreWarning, trl_options
 from rlcore.checkpoint import RUN_CONFIG_HEADER
 from rlcore.rewards import REWARDS
+from rlcore.tasks import TASK_REWARD
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -710,6 +711,8 @@ def _check_type(key: str, value, tp):
             if key == "train.device" and str(value).lower().startswith("gpu"):
                 close = ["cuda"]  # torch's name for the GPU; difflib would suggest 'cpu'
             hint = f"; did you mean {close[0]!r}?" if close else ""
+            if key == "loss.loss_type" and value in typing.get_args(typing.get_type_hints(LossArgs)["policy_loss"]):
+                hint = f"; {value!r} is a policy loss: set loss.policy_loss = {value!r} (loss_type aggregates it)"
             also = ", or true / false" if bool in base else ""
             raise ConfigError(f"{key} = {value!r} is not a valid choice; valid: "
                               f"{', '.join(repr(c) for c in choices)}{also}{hint}")
@@ -896,9 +899,10 @@ def validate(config: Config, world_size: int = 1) -> None:
             problems.append(f"loss.reward_funcs has unknown reward {name!r}; built-in rewards are "
                             f"{', '.join(REWARDS)}" + (f" (did you mean {close[0]!r}?)" if close else "")
                             + ", or give your own as 'module:function'")
-    need(d.task != "countdown" or "countdown" in lo.reward_funcs,
-         f"data.task = 'countdown' is scored by the 'countdown' reward, but loss.reward_funcs = "
-         f"{lo.reward_funcs}; --set loss.reward_funcs='[\"countdown\"]'")
+    judge = TASK_REWARD[d.task]  # the reward that decides held-out accuracy
+    need(judge == "accuracy" or judge in lo.reward_funcs,
+         f"data.task = {d.task!r} is scored by the {judge!r} reward, but loss.reward_funcs = "
+         f"{lo.reward_funcs}; --set loss.reward_funcs='[\"{judge}\"]'")
     if config.model.dtype == "bfloat16":
         warn_bf16_weights(config, "model.dtype = 'bfloat16'")
     if lo.loss_type == "luspo" and lo.importance_sampling_level != "sequence":

@@ -20,7 +20,14 @@ def init(device: torch.device) -> tuple[int, int, torch.device]:
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return 0, 1, device
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        if local >= count:
+            error = ValueError(f"torchrun started local rank {local}, but this machine has {count} CUDA "
+                               f"device(s): one rank per GPU, so --nproc_per_node={count} at most (or "
+                               f"--set train.device=cpu)")
+            error.rank_local = True  # rank 0 may have a GPU: this rank says it
+            raise error
+        device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -114,6 +121,29 @@ def gather_objects(obj, world: int) -> list:
     out = [None] * world
     dist.all_gather_object(out, obj)
     return out
+
+
+def raise_together(error: Exception | None, world: int) -> None:
+    """Raise on every rank when any rank has an error (None: this rank has none): the first such
+    rank's error, of its type, with its message and "(on rank r)". An error on one rank alone
+    would leave the others waiting at their next collective, to fail there with a transport
+    traceback that buries it. The raised error has `every_rank = True`, so the command line
+    prints it once; a RewardFunctionError keeps its `trace`."""
+    if world == 1:
+        if error is not None:
+            raise error
+        return
+    report = None if error is None else (type(error), str(error), getattr(error, "trace", ""))
+    for rank, got in enumerate(gather_objects(report, world)):
+        if got is None:
+            continue
+        kind, message, trace = got
+        try:
+            shared = kind(f"{message} (on rank {rank})")
+        except TypeError:  # an exception class that takes other arguments
+            shared = RuntimeError(f"{kind.__name__}: {message} (on rank {rank})")
+        shared.trace, shared.every_rank = trace, True
+        raise shared from error
 
 
 def concat_over_ranks(lists: dict[str, list], world: int) -> dict[str, list]:

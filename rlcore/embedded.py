@@ -14,6 +14,8 @@ demonstrator only sharpen the bug.)
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import string
 from pathlib import Path
 
@@ -75,7 +77,9 @@ def build_embedded_model(path: str | Path, examples: list[dict], *, noise: float
     print(f"building the embedded default model at {path} (first run only)", flush=True)
     from rlcore.tokenizer import Tokenizer
 
-    tmp = path.with_name(path.name + ".build")
+    # Per process, then renamed into place: builds on machines that share a cache do not collide.
+    tmp = path.with_name(f"{path.name}.build-{os.getpid()}")
+    out = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     write_char_tokenizer(tmp)
     tok = Tokenizer.from_dir(tmp)
@@ -95,10 +99,16 @@ def build_embedded_model(path: str | Path, examples: list[dict], *, noise: float
     finally:
         torch.set_num_threads(before)
     files = {n: tmp / n for n in ("tokenizer.json", "tokenizer_config.json", "generation_config.json")}
-    save_model(model, path, extra_files=files)
-    for f in files.values():
-        f.unlink()
-    tmp.rmdir()
+    save_model(model, out, extra_files=files)
+    shutil.rmtree(tmp)
+    if path.is_dir() and not (path / "model.safetensors").is_file():
+        shutil.rmtree(path, ignore_errors=True)  # a build an older rlcore left unfinished in place
+    try:
+        os.rename(out, path)
+    except OSError:  # another process finished first: keep its build
+        if not (path / "model.safetensors").is_file():
+            raise
+        shutil.rmtree(out)
     return path
 
 

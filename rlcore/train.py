@@ -8,7 +8,7 @@
         for epoch in range(mu):                                         (mu = num_iterations)
             for each of the S micro-batches:
                 per-token loss -> aggregate -> backward                 (rlcore.losses)
-                every GA micro-batches: clip, optimizer step, metrics
+                every GA micro-batches: grad-norm clip, optimizer step, metrics
         eval, checkpoint
 
 The loop's own flags (off-policy or not, beta, TIS, the entropy bonus, a synced reference) are
@@ -33,7 +33,7 @@ import torch
 
 from rlcore.checkpoint import (RUN_CONFIG_HEADER, check_model_dir, check_new_run_dir, checkpoint_step,
                                latest_checkpoint, load_model, load_resumed_model, load_trainer_state, resolve_dtype,
-                               save_checkpoint)
+                               resume_command, save_checkpoint)
 from rlcore.config import (Config, dump_config, embedded_model_name, epoch_steps, generation_steps, recorded_model,
                            validate, warn_bf16_weights, with_absolute_paths)
 from rlcore import RlcoreWarning, distributed
@@ -181,18 +181,22 @@ def embedded_model_dir(cfg: Config, rank: int = 0, world: int = 1) -> Path:
 
     Cached under $RLCORE_CACHE (default ~/.cache/rlcore), keyed by what decides its contents,
     so the held-out problems of `data.seed` / `data.num_eval` are never in its SFT data.
-    Under torchrun rank 0 builds it while the other ranks wait, then they find it cached.
+    Under torchrun local rank 0 of each machine builds it while the other ranks wait, then they
+    find it cached (several machines sharing one cache each build apart and keep the first).
     """
     d = cfg.data
-    if d.task != "arithmetic":
-        raise ValueError(f"the embedded model is built for data.task = 'arithmetic', not {d.task!r}; "
-                         "set model.path to a Hugging Face checkpoint directory for other tasks")
     cache = Path(os.environ.get("RLCORE_CACHE", Path.home() / ".cache" / "rlcore"))
+    where = cache / f"embedded-arithmetic-v2-seed{d.seed}-eval{d.num_eval}"
+    if d.task != "arithmetic":
+        raise ValueError(f"the embedded model is built for data.task = 'arithmetic', not {d.task!r}; set model.path "
+                         f"to a Hugging Face checkpoint directory for other tasks (the embedded model, once built, is "
+                         f"one: --set model.path={where} trains it on a task its character tokenizer can write)")
     pool = unique_problems("arithmetic", 10**6, d.seed)[d.num_eval:]  # everything but the eval set
-    if rank != 0:
+    local = int(os.environ.get("LOCAL_RANK", rank))  # torchrun: the rank on this machine (its cache may be its own)
+    if local != 0:
         distributed.barrier(world)
-    path = build_embedded_model(cache / f"embedded-arithmetic-v2-seed{d.seed}-eval{d.num_eval}", pool)
-    if rank == 0:
+    path = build_embedded_model(where, pool)
+    if local == 0:
         distributed.barrier(world)
     return path
 
@@ -261,6 +265,10 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
     check_model_dir(model_dir)  # before its tokenizer: an rlcore checkpoint or a LoRA adapter is named as such
     tok = Tokenizer.from_dir(model_dir)
     ck = latest_checkpoint(Path(resume)) if resume else None
+    st = load_trainer_state(ck) if ck else None  # before anything is written: a wrong rank count changes nothing
+    if st is not None and len(st["sampler_rng"]) != world:
+        raise ValueError(f"{ck} was saved by a run on {len(st['sampler_rng'])} rank(s), and this one has {world}; "
+                         f"resume it on as many: {resume_command(run, len(st['sampler_rng']))}")
     dtype = resolve_dtype(cfg.model.dtype, model_dir)  # 'auto': the checkpoint's
     if cfg.model.dtype == "auto" and dtype == "bfloat16" and main:
         warn_bf16_weights(cfg, f"model.dtype = 'auto' on {model_dir}, a bfloat16 checkpoint")
@@ -292,6 +300,9 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
     steps_per_round = S * mu // GA
     max_steps = t.max_steps if t.max_steps > 0 else epoch_steps(len(train_set), N // G, steps_per_round,
                                                                  t.num_train_epochs)  # TRL's max_steps = -1
+    if main:  # the batch geometry, as TRL's "total train batch size" line gives it
+        print(f"{world} rank(s) x {b * S} completions = {N // G} prompts x G={G} per round; micro-batches of {b}, "
+              f"an optimizer step every {GA} ({steps_per_round} per round, mu={mu})", flush=True)
     if main and t.max_steps == -1:
         print(f"num_train_epochs = {t.num_train_epochs}: {len(train_set)} prompts, {len(train_set) // (N // G)} "
               f"whole rounds of {N // G} per pass, {steps_per_round} optimizer step(s) per round: "
@@ -308,7 +319,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
     if main:  # every input loaded and checked: a bad one leaves no run directory behind
         run.mkdir(parents=True, exist_ok=True)
         # with absolute paths, so a --resume from another directory finds the model and data
-        (run / "config.toml.tmp").write_text(RUN_CONFIG_HEADER + dump_config(with_absolute_paths(cfg)))
+        (run / "config.toml.tmp").write_text(RUN_CONFIG_HEADER + f"# ranks = {world}\n" +
+                                             dump_config(with_absolute_paths(cfg)))
         os.replace(run / "config.toml.tmp", run / "config.toml")  # a crash leaves the previous one
 
     opt = adamw(model, t)
@@ -321,7 +333,6 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
     step, data_pos, bad_in_row, bad_total = 0, 0, 0, 0
     metrics_file = run / "metrics.jsonl"
     if ck:
-        st = load_trainer_state(ck)
         if len(st["optimizer"]["param_groups"]) != len(opt.param_groups):  # one group before weight decay
             raise ValueError(f"{ck} was saved by an earlier rlcore (its optimizer state has one parameter "
                              "group, decayed or not); resume it with the rlcore version that wrote it")
@@ -331,8 +342,6 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         # follows this run's from here on (the same rate when max_steps is unchanged).
         for group, base in zip(opt.param_groups, sched.base_lrs):
             group["lr"] = base * schedule(sched.last_epoch)
-        if len(st["sampler_rng"]) != world:
-            raise ValueError(f"{ck} was saved by {len(st['sampler_rng'])} ranks; resume it with as many")
         sampler.set_state(st["sampler_rng"][rank])
         shuffler.set_state(st["shuffler_rng"])
         torch.set_rng_state(st["torch_rng"])
@@ -366,7 +375,9 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         t0 = clock(device)
         batch = next_prompts(train_set, data_pos, N // G, t.seed)
         data_pos += N // G
-        round_no, round_end = data_pos // (N // G), step + steps_per_round  # a resume may start mid-cycle
+        # the round's number (for the warning below) and the step it ends at (for the note after the loop);
+        # counted from data_pos and step, since a resume may start after a round that max_steps cut short
+        round_no, round_end = data_pos // (N // G), step + steps_per_round
         rows = [ex for ex in batch for _ in range(G)][mine]
         model.eval()
         ro = generate(model, [ex["prompt_ids"] for ex in rows], 1, rc.max_completion_length,  # rows repeat G times
@@ -384,7 +395,13 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         trl_kwargs = reward_extras(completion_ids, RewardState(step, max_steps),
                                    log_metric=lambda name, value: logged[name].append(float(value)),
                                    log_extra=lambda column, values: extra.setdefault(column, []).extend(values))
-        R = score_completions(reward_funcs, prompts, completions, values, lc.reward_on_error, trl_kwargs)
+        R = failure = None
+        try:  # a failure on one rank's rows stops every rank with it (else the others wait at the next all-gather)
+            R = score_completions(reward_funcs, prompts, completions, values, lc.reward_on_error, trl_kwargs,
+                                  first_row=mine.start)
+        except (ValueError, TypeError, RuntimeError) as e:  # RewardFunctionError is a RuntimeError
+            failure = e
+        distributed.raise_together(failure, world)
         logged = distributed.concat_over_ranks(logged, world)  # every rank's log_metric values
         R = distributed.gather_rows(R.to(device), world)
         if main and R.isnan().all():
@@ -406,7 +423,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         samp = ro.full_logprobs if ro.full_logprobs is not None else ro.sampling_logprobs
         samp = samp[:, :cids.shape[1]].to(device)
         truncated = ro.truncated.to(device)
-        if lc.mask_truncated_completions:
+        if lc.mask_truncated_completions:  # SPEC 4.5 masks per micro-batch, last: the same mask, set once here
             mask = mask_truncated(mask, truncated)
         adv = adv.to(device)
         lengths = ro.lengths.to(device)
@@ -442,9 +459,10 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         t_old = clock(device) - t0
         # Engine vs trainer log-probs: over the round from `old` when it was computed, else per
         # micro-batch from logp.detach() (on-policy, every micro-batch runs before the step).
-        mismatch = {} if old is None else reduce_metrics(
+        mismatch = None if old is None else reduce_metrics(
             [{k: float(v) for k, v in rollout_mismatch(old, samp, mask, tis).items()}], world, device)
-        mismatch.pop("tokens", None)
+        if mismatch is not None:
+            mismatch.pop("tokens")
         if not off_policy:
             old = None  # on-policy: old = logp.detach() inside the loop, the ratio is exactly 1
         round_times = {"time/rollout": t_rollout, "time/scoring": t_score, "time/old_logp": t_old}
@@ -452,7 +470,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         # 4. mu-epoch replay: shuffle once, cut into S micro-batches, replay mu times in the same order.
         perm = torch.randperm(n, generator=shuffler, device=device)
         micro = [perm[k * b:(k + 1) * b] for k in range(S)]
-        t_update, step_metrics = clock(device), []
+        update_start, step_metrics = clock(device), []
         for epoch in range(mu):
             for k, mb in enumerate(micro):  # mb: the micro-batch's rows
                 if k % GA == 0:
@@ -479,7 +497,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                 if bonus.enabled:  # loss.entropy_coef: over the tokens the policy loss trains on
                     loss = loss - bonus.term(entropy, mask[mb] if entropy_keep is None else entropy_keep, GA)
                 loss.backward()
-                if not mismatch:
+                if mismatch is None:  # on-policy: from this micro-batch's own log-probs
                     diag.update(rollout_mismatch(logp.detach(), samp[mb], mask[mb]))  # its `tokens` = diag's
                 step_metrics.append({"loss": loss.item(), **{k_: float(v) for k_, v in diag.items()}})
                 if (k + 1) % GA:
@@ -507,16 +525,18 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                 lr = opt.param_groups[0]["lr"]  # the rate this step used, before the schedule moves on
                 applied = bonus.applied()  # the coefficient this step used, before adaptation
                 bonus.end_step(world, device)
-                sched.step()
+                with warnings.catch_warnings():  # a skipped step: torch's "scheduler before optimizer" warning
+                    warnings.simplefilter("ignore" if not finite else "default", UserWarning)
+                    sched.step()
                 step += 1
                 if lc.sync_ref_model and step % lc.ref_model_sync_steps == 0:
                     mix_into(ref, model, lc.ref_model_mixup_alpha)  # TR-DPO; the next round's ref log-probs use it
 
                 # 6. Metrics (SPEC 6): the round's statistics + this step's diagnostics, all ranks. The
                 # round's phase times go on its first step (0 on the others), so times sum over steps.
-                t_step = clock(device) - t_update
+                t_step = clock(device) - update_start
                 met = {"step": step, "epoch": epoch, **round_stats, **reduce_metrics(step_metrics, world, device),
-                       **mismatch, "grad_norm": grad_norm.item(), "lr": lr, "skipped": not finite,
+                       **(mismatch or {}), "grad_norm": grad_norm.item(), "lr": lr, "skipped": not finite,
                        "nonfinite_total": bad_total, **round_times, "time/update": t_step,
                        "tokens_per_s/train": step_len / max(t_step, 1e-9)}
                 if bonus.enabled:  # TRL logs the coefficient after adaptation, for the next step
@@ -543,7 +563,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                 if bad_in_row >= t.max_nonfinite_steps:  # after this step's metrics row
                     raise FloatingPointError(f"{bad_in_row} non-finite steps in a row (train.max_nonfinite_steps="
                                              f"{t.max_nonfinite_steps}); lower the learning rate or check rewards")
-                step_metrics, t_update = [], clock(device)
+                step_metrics, update_start = [], clock(device)
                 if step >= max_steps:
                     break
             if step >= max_steps:

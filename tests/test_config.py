@@ -766,6 +766,20 @@ def test_the_configs_policy_loss_names_are_the_loss_zoos():
     assert typing.get_args(typing.get_type_hints(LossArgs)["policy_loss"]) == LOSSES
 
 
+def test_the_task_choices_are_the_tasks_there_are():
+    from rlcore.config import DataArgs
+    from rlcore.tasks import TASK_REWARD, TASKS
+
+    assert typing.get_args(typing.get_type_hints(DataArgs)["task"]) == (*TASKS, "jsonl")
+    assert set(TASK_REWARD) == {*TASKS, "jsonl"}
+
+
+def test_a_policy_loss_given_as_loss_type_names_policy_loss():
+    with pytest.raises(ConfigError, match=r"loss.loss_type = 'ppo' is not a valid choice; valid: .*; 'ppo' is a "
+                                          r"policy loss: set loss.policy_loss = 'ppo' \(loss_type aggregates it\)"):
+        load_config(None, ["loss.loss_type=ppo"])
+
+
 def test_epsilon_zero_is_one_error_not_also_epsilon_highs_derived_from_it():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["loss.epsilon=0"])

@@ -28,6 +28,7 @@ def score_completions(
     columns: dict[str, list],
     on_error: str = "raise",
     extra: dict | None = None,
+    first_row: int = 0,
 ) -> Tensor:
     """Call each reward function TRL-style and stack the scores into R [N, F] (NaN = None).
 
@@ -40,7 +41,7 @@ def score_completions(
     raises is re-run one sample at a time to name the offending sample in a RewardFunctionError,
     which holds the function's own traceback frames; with on_error="none" the
     failing samples score None instead. A function whose signature cannot take these arguments is an error
-    either way.
+    either way. Errors number the samples from `first_row` (a rank's first row of the round).
     """
     if on_error not in ("raise", "none"):
         raise ValueError(f"on_error must be 'raise' or 'none', got {on_error!r}")
@@ -54,8 +55,8 @@ def score_completions(
         try:
             values = _call(fn, kwargs)
         except Exception as err:
-            values = _score_one_by_one(fn, name, kwargs, per_row, n, on_error, err)
-        for i, value in enumerate(_check_scores(name, values, n, completions)):
+            values = _score_one_by_one(fn, name, kwargs, per_row, n, on_error, err, first_row)
+        for i, value in enumerate(_check_scores(name, values, n, completions, first_row)):
             if value is not None:
                 scores[i, f] = float(value)
     return scores
@@ -108,9 +109,9 @@ def _call(fn: Callable, kwargs: dict):
     return values
 
 
-def _check_scores(name: str, values, n: int, completions: list | None = None) -> list:
+def _check_scores(name: str, values, n: int, completions: list | None = None, first: int = 0) -> list:
     """Validate one reward function's output: a sequence of n numbers or None (`completions`,
-    when given, name the sample of an infinite score)."""
+    when given, name the sample of an infinite score; samples are numbered from `first`)."""
     if isinstance(values, (str, bytes, Mapping, Set)) or not hasattr(values, "__len__"):
         raise TypeError(f"reward function {name} returned {type(values).__name__}; "
                         f"it must return a list of {n} floats or None, one per completion in order")
@@ -125,16 +126,16 @@ def _check_scores(name: str, values, n: int, completions: list | None = None) ->
     for i, value in enumerate(values):
         if value is not None and not isinstance(value, numbers.Real):
             raise TypeError(f"reward function {name} returned {value!r} ({type(value).__name__}) "
-                            f"for sample {i}; expected a float or None")
+                            f"for sample {first + i}; expected a float or None")
         if value is not None and not math.isnan(value) and abs(value) > FLOAT32_MAX:
             sample = "" if completions is None else f" (completion={_short(completions[i])})"
-            raise ValueError(f"reward function {name} returned {value} for sample {i}{sample}; scores must be "
+            raise ValueError(f"reward function {name} returned {value} for sample {first + i}{sample}; scores must be "
                              f"finite in float32, |score| <= {FLOAT32_MAX:.3g} (an infinite reward zeroes its "
                              f"whole group's advantages): return None where a completion cannot be scored")
     return values
 
 
-def _score_one_by_one(fn, name, kwargs, per_row, n, on_error, batch_err) -> list:
+def _score_one_by_one(fn, name, kwargs, per_row, n, on_error, batch_err, first_row: int = 0) -> list:
     """Re-run `fn` per sample after it raised on the batch: name the culprit, or score it None.
     `per_row`: the keys of `kwargs` that hold one value per completion (the rest are passed as is)."""
     values = []
@@ -147,12 +148,12 @@ def _score_one_by_one(fn, name, kwargs, per_row, n, on_error, batch_err) -> list
                 values.append(None)
                 continue
             raise RewardFunctionError(
-                f"reward function {name} raised {type(err).__name__}: {err} on sample {i}: "
+                f"reward function {name} raised {type(err).__name__}: {err} on sample {first_row + i}: "
                 f"prompt={_short(kwargs.get('prompts', ['?'] * n)[i])}, "
                 f"completion={_short(kwargs.get('completions', ['?'] * n)[i])}. Fix the "
                 "function, or score failures as None (on_error='none'; in a config: --set "
                 "loss.reward_on_error=none)", err) from err
-        values += _check_scores(name, value, 1, [kwargs.get("completions", ["?"] * n)[i]])
+        values += _check_scores(name, value, 1, [kwargs.get("completions", ["?"] * n)[i]], first_row + i)
     if on_error == "raise":
         raise RewardFunctionError(f"reward function {name} raised {type(batch_err).__name__}: {batch_err} "
                                   f"on the batch of {n} but on no single sample", batch_err) from batch_err
