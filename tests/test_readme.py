@@ -11,8 +11,15 @@ ROOT = Path(__file__).parent.parent
 
 
 def test_readme_options_table_matches_the_config():
-    readme = (ROOT / "README.md").read_text()
-    assert options_table().strip() in readme, "regenerate with: rlcore options"
+    """Row by row, so a failure shows the row that differs; `rlcore options` prints the table."""
+    want = options_table().strip().splitlines()
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = lines.index(want[0])  # the table's header row
+    got = lines[start:start + len(want)]
+    for row_want, row_got in zip(want, got):
+        assert row_got == row_want, f"README.md's options table differs; paste `rlcore options` over it:\n" \
+                                    f"README: {row_got}\nconfig: {row_want}"
+    assert len(got) == len(want) and (len(lines) == start + len(want) or not lines[start + len(want)].startswith("|"))
 
 
 def test_docs_spec_is_the_shared_contract_where_that_is_checked_out():
