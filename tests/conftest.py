@@ -19,8 +19,11 @@ from rlcore.tasks import unique_problems
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
+# With head_dim 16 and rope_theta 5e5 the wavelengths are 6.3, 32.4, 167, ...: an original length of 64
+# puts 32.4 in the smoothing band [64 / high_freq_factor, 64 / low_freq_factor] = [16, 64] (32 left it
+# empty, so only the two outer branches were compared with transformers); test_model.py checks this.
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
 # name -> (transformers config class name, extra config kwargs)
 FAMILIES = {
