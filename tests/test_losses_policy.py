@@ -431,3 +431,23 @@ def test_a_loss_name_without_its_branch_is_an_error_not_another_loss(monkeypatch
     logp, old, adv, mask = setup()
     with pytest.raises(NotImplementedError, match="no branch for loss 'sym_clip'"):
         policy.policy_loss(logp, old, adv, mask, loss="sym_clip")
+
+
+
+@pytest.mark.parametrize("tokens, log_w, k, lam", [
+    ([15.0, 15.0], 20.0, 2961.5, 2**-13),  # log w = 30 is clamped to 20 (this (k, lambda) peaks near w = e^17.0)
+    ([-15.0, -15.0], math.log(1e-8), 0.125, 3.0),  # log w = -30 is clamped to log 1e-8
+    ([25.0, -10.0], 10.0, 0.5, 2**-13),  # each token's log-ratio first: 25 -> 20, so log w = 10, not 15
+])
+def test_vespo_clamps_the_log_ratios_as_documented(tokens, log_w, k, lam):
+    """docs/losses.md: log w = sum_t clamp(logp - old, -20, 20), clamped to [log 1e-8, 20]; phi in
+    closed form at the clamped log w. The (k, lambda) make phi there of order 1 and far from the phi
+    of the unclamped sum (0 for 30 and 15, 0.47 against 2.0 for -30). A = +1, so the _pos pair;
+    k and lambda are exact in fp32 (vespo_weights rounds them to fp32: 0.1 would be off by 3e-8)."""
+    logp = leaf([tokens])
+    adv, mask = torch.tensor([1.0], dtype=torch.float64), torch.ones_like(logp)
+    loss, _ = policy_loss(logp, torch.zeros_like(logp), adv, mask, loss="vespo", vespo_k_pos=k, vespo_lambda_pos=lam)
+    want = phi(log_w, k, lam)
+    assert 1.0 < want < 1e3
+    # rtol 1e-9: at log w = 20 phi's exponent is a difference of two numbers near 6e4
+    torch.testing.assert_close(grad_of(loss, logp), torch.full_like(logp, -want), rtol=1e-9, atol=0)
