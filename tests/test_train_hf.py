@@ -49,7 +49,22 @@ def gsm8k_file(tmp_path):
     return f
 
 
-def test_loop_trains_an_hf_checkpoint_and_writes_one_transformers_loads(qwen_dir, gsm8k_file, tmp_path):
+HELD_OUT_SCORES = []
+
+
+def even_first_number(prompts, completions, **columns):
+    """Stands in for the task's accuracy (a random model scores 0, which any count passes): 1 for a
+    question whose first number is even, so the held-out count is known; records its scores."""
+    texts = [p if isinstance(p, str) else p[-1]["content"] for p in prompts]
+    HELD_OUT_SCORES.append([float(int(re.search(r"\d+", t).group()) % 2 == 0) for t in texts])
+    return HELD_OUT_SCORES[-1]
+
+
+def test_loop_trains_an_hf_checkpoint_and_writes_one_transformers_loads(qwen_dir, gsm8k_file, tmp_path, monkeypatch):
+    import rlcore.train
+
+    monkeypatch.setitem(rlcore.train.TASK_REWARD, "jsonl", f"{__name__}:even_first_number")
+    HELD_OUT_SCORES.clear()
     run = tmp_path / "run"
     cfg = load_config(None, [
         f"model.path={qwen_dir}", "data.task=jsonl", f"data.path={gsm8k_file}", "data.prompt_column=question",
@@ -61,7 +76,12 @@ def test_loop_trains_an_hf_checkpoint_and_writes_one_transformers_loads(qwen_dir
     saved = run / "checkpoint-2" / "model"
 
     assert [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
-    assert 0.0 <= result["after"] <= 1.0
+    # The returned accuracy is the last evaluation's count of the 4 held-out prompts over 4 (the
+    # last call scored them), and eval.jsonl's last row.
+    assert len(HELD_OUT_SCORES[-1]) == 4 and 0 < sum(HELD_OUT_SCORES[-1]) < 4
+    assert result["after"] == sum(HELD_OUT_SCORES[-1]) / 4
+    last = json.loads((run / "eval.jsonl").read_text().splitlines()[-1])
+    assert last == {"step": 2, "eval/accuracy": result["after"]}
     # The weights moved, and transformers reads rlcore's checkpoint with rlcore's logits.
     before, after = load_model(qwen_dir), load_model(saved)
     assert not torch.equal(before.model.layers[0].mlp.up_proj.weight, after.model.layers[0].mlp.up_proj.weight)
