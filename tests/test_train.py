@@ -261,6 +261,52 @@ def test_max_grad_norm_zero_means_no_clipping(tmp_path, embedded_dir):
     assert not any(torch.equal(a[k], before[k]) for k in a)
 
 
+def record_step_gradients(monkeypatch) -> list[torch.Tensor]:
+    """Make the loop's optimizer record, at each step, the gradient it steps with (after the
+    averaging over ranks and the clipping), as one flat fp64 vector."""
+    seen, real = [], rlcore.train.adamw
+
+    def adamw(model, t):
+        opt = real(model, t)
+        opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(torch.cat(
+            [p.grad.reshape(-1).double() for g in o.param_groups for p in g["params"] if p.grad is not None])))
+        return opt
+
+    monkeypatch.setattr(rlcore.train, "adamw", adamw)
+    return seen
+
+
+def test_max_grad_norm_clips_the_gradient_the_optimizer_steps_with(tmp_path, monkeypatch):
+    # torch's clip_grad_norm_ scales by max_norm / (norm + 1e-6): the optimizer gets a gradient of
+    # norm 1e-3 (up to that 1e-6); grad_norm logs the norm before clipping, far above it.
+    grads = record_step_gradients(monkeypatch)
+    run = tmp_path / "run"
+    train(config(run, "train.max_steps=2", "train.max_grad_norm=1e-3"))
+    assert len(grads) == 2
+    for g, r in zip(grads, rows(run)):
+        assert r["grad_norm"] > 0.1
+        assert g.norm().item() == pytest.approx(1e-3, rel=1e-5)
+
+
+def test_dapo_divides_by_the_tokens_of_the_whole_step_under_gradient_accumulation(tmp_path, monkeypatch):
+    """SPEC 5's dapo: sum over the step's tokens of l / (active tokens of the whole step). GA = 2
+    micro-batches of 8 must give the step the loss and gradient of GA = 1 with all 16: the round is
+    the same (S = GA, so b * S = 16 completions sampled in one call either way, and one shuffle of
+    the 16 rows, cut in two), and each micro-batch divides by the 16 rows' tokens, not its own.
+    Clipping is off so the gradients are compared at their own scale."""
+    grads = record_step_gradients(monkeypatch)
+    for name, geometry in (("ga1", ["train.per_device_train_batch_size=16"]),
+                           ("ga2", ["train.per_device_train_batch_size=8", "train.gradient_accumulation_steps=2"])):
+        train(config(tmp_path / name, "train.max_steps=1", "train.max_grad_norm=0.0", "train.log_completions=true",
+                     "train.num_completions_to_print=0", *geometry))
+    texts = [(tmp_path / name / "completions.jsonl").read_text() for name in ("ga1", "ga2")]
+    assert texts[0] == texts[1]  # the same completions, rewards and advantages
+    (one,), (two,) = rows(tmp_path / "ga1"), rows(tmp_path / "ga2")
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5) and abs(one["loss"]) > 1e-4
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7 * grads[0].abs().max().item())
+
+
 def test_gradient_checkpointing_trains_to_the_same_weights(tmp_path, monkeypatch):
     # The model's recomputation is checked against per-row passes in test_shared_prompt.py; here
     # the loop turns it on (layers run twice: forward, and again in backward) and, on CPU in fp32
@@ -320,6 +366,17 @@ def test_mismatch_metrics_compare_engine_and_trainer_logprobs(tmp_path, monkeypa
     for r in rows(run):
         assert r["mismatch/abs_mean"] == pytest.approx(c, abs=1e-4)
         assert r["mismatch/k3"] == pytest.approx(math.exp(c) - 1 - c, abs=1e-4)
+
+
+@pytest.mark.parametrize("mu", [1, 2])  # the training forward's log-probs (mu = 1), the old pass's (mu = 2)
+def test_trainer_logprobs_use_the_rollout_temperature(tmp_path, mu):
+    # The engine samples from softmax(z / 0.7) and reports those log-probs; the trainer's must
+    # divide by the same temperature, and then agree with them to fp32 rounding (~1e-6; the test
+    # above). At temperature 1 they would differ by far more than 1e-4.
+    run = tmp_path / "run"
+    train(config(run, "train.max_steps=1", "rollout.temperature=0.7", f"loss.num_iterations={mu}"))
+    (r,) = rows(run)
+    assert r["mismatch/abs_mean"] < 1e-4 and r["mismatch/abs_max"] < 1e-4, r
 
 
 def test_bf16_on_cpu_trains_with_a_bf16_rollout(tmp_path, monkeypatch):
