@@ -192,6 +192,41 @@ def test_beta_trains_against_the_initial_policy_and_logs_kl_ref(correction, tmp_
     assert seen and set(seen) == {correction}
 
 
+def test_tis_truncated_masks_and_reward_options_reach_the_loop_calls(tmp_path, monkeypatch):
+    """The options the loop itself reads (not policy_loss_options): loss.tis_mode's weights reach
+    policy_loss, loss.mask_truncated_completions zeroes the loss mask of the truncated rows
+    policy_loss sees, and loss.reward_weights / loss.scale_rewards reach compute_advantages. At
+    temperature 2 some completions run past max_completion_length = 3 without EOS (6 and 7 of 16)."""
+    seen = {"advantages": [], "truncated": [], "loss": []}
+    calls = {name: getattr(rlcore.train, name) for name in ("compute_advantages", "mask_truncated", "policy_loss")}
+
+    def compute_advantages(R, G, weights, scale, **kwargs):
+        seen["advantages"].append((weights, scale))
+        return calls["compute_advantages"](R, G, weights, scale, **kwargs)
+
+    def mask_truncated(mask, truncated):
+        seen["truncated"].append(int(truncated.sum()))
+        return calls["mask_truncated"](mask, truncated)
+
+    def policy_loss(logp, old, adv, mask, **kwargs):
+        seen["loss"].append((int((mask.sum(-1) == 0).sum()), kwargs["tis_weights"]))
+        return calls["policy_loss"](logp, old, adv, mask, **kwargs)
+
+    for spy in (compute_advantages, mask_truncated, policy_loss):
+        monkeypatch.setattr(rlcore.train, spy.__name__, spy)
+    run = tmp_path / "run"
+    train(config(run, "train.max_steps=2", "rollout.max_completion_length=3", "rollout.temperature=2.0",
+                 "loss.tis_mode=token_truncate", "loss.mask_truncated_completions=true", "loss.scale_rewards=batch",
+                 "loss.reward_weights=[1.0, 0.5]",
+                 f"loss.reward_funcs=['{__name__}:first_digit', '{__name__}:extra_and_metric']"))
+    assert seen["advantages"] == [([1.0, 0.5], "batch")] * 2
+    assert 0 < sum(seen["truncated"]) < 32
+    assert [masked for masked, _ in seen["loss"]] == seen["truncated"]  # one micro-batch per round: all 16 rows
+    assert all(w is not None and w.shape[0] == 16 for _, w in seen["loss"])
+    for r in rows(run):  # the round's TIS weights' mean (policy_loss) and the fraction truncate changed
+        assert math.isfinite(r["tis/mean"]) and 0 < r["tis/mean"] <= 2.0 and math.isfinite(r["tis/frac_changed"])
+
+
 def extra_and_metric(prompts, completions, log_extra, log_metric, **columns):
     """A TRL-style reward that logs a column at once, another one completion at a time (TRL
     appends), and a metric once per completion; it scores 0.5."""
