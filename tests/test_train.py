@@ -530,6 +530,37 @@ def test_resume_after_a_crash_matches_an_uninterrupted_run(tmp_path, capsys):
     assert len(completions[0]) == 4 * 16 and completions[0] == completions[1]  # the crash's rows dropped
 
 
+RESUMED_OPTIONS = {  # with test_train_options.py's synced reference and adaptive entropy control
+    "sapo, constant schedule, top_p": ["loss.policy_loss=sapo", "train.lr_scheduler_type=constant", "rollout.top_p=0.9"],
+    "tis, entropy and off-policy masks, top_k": ["loss.tis_mode=token_truncate", "loss.top_entropy_quantile=0.5",
+                                                 "loss.off_policy_mask_threshold=0.01", "rollout.top_k=5"],
+    # rounds of S * mu / GA = 4 steps, checkpointed at round ends: the crash comes at the second
+    "cispo, bnpo, mu = 2, S = 2, linear schedule": ["loss.policy_loss=cispo", "loss.epsilon_high=5.0",
+                                                    "loss.loss_type=bnpo", "loss.num_iterations=2",
+                                                    "train.steps_per_generation=2", "train.lr_scheduler_type=linear",
+                                                    "train.max_steps=8", "train.save_steps=4"],
+    "vespo, bf16, min_p, GA = 2, entropy bonus": ["loss.policy_loss=vespo", "train.bf16=true", "rollout.min_p=0.1",
+                                                  "train.per_device_train_batch_size=8",
+                                                  "train.gradient_accumulation_steps=2", "loss.entropy_coef=0.01"],
+}
+
+
+@pytest.mark.parametrize("case", RESUMED_OPTIONS)
+def test_resume_after_a_crash_matches_an_uninterrupted_run_with_other_options(case, tmp_path):
+    # As above (a crash at the last checkpoint, a resume from the one before), under options that
+    # keep more state or draw more random numbers: the resumed run ends at the same weights and
+    # writes the same metrics rows.
+    steps = ["train.max_steps=4", "train.save_steps=2", *RESUMED_OPTIONS[case]]  # later keys win
+    last = int(next(o for o in reversed(steps) if o.startswith("train.max_steps=")).split("=")[1])
+    run_and_crash(tmp_path, steps, crash_step=last)
+    assert latest_checkpoint(tmp_path / "b").name == f"checkpoint-{last // 2}"
+    assert main(["train", "--resume", str(tmp_path / "b")]) == 0
+    a, b = (weights(tmp_path / run / f"checkpoint-{last}" / "model") for run in "ab")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(TIMING)}  # noqa: E731
+    assert [strip(r) for r in rows(tmp_path / "b")] == [strip(r) for r in rows(tmp_path / "a")]
+
+
 def test_a_run_started_from_python_resumes_from_the_command_line_with_its_own_config(tmp_path):
     run = tmp_path / "run"
     cfg = config(run, "train.max_steps=1", "train.learning_rate=3e-3", "rollout.temperature=0.9")
