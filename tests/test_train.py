@@ -796,10 +796,11 @@ def test_rollout_seed_alone_changes_the_samples(tmp_path):
 
 # ----------------------------------------------------------------------------- data parallel
 
-def torchrun(tmp_path, *args):
+def torchrun(tmp_path, *args, script=None):
+    """2 ranks of `rlcore` with `args`, or of the Python file `script` with them."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}  # first_digit
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "rlcore.cli", *args]
+           *(["-m", "rlcore.cli"] if script is None else [str(script)]), *args]
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -831,14 +832,38 @@ def test_two_ranks_evaluate_half_the_prompts_each_and_report_the_whole(tmp_path,
     assert [json.loads((tmp_path / f"accuracy{rank}.json").read_text()) for rank in (0, 1)] == [6 / 11] * 2
 
 
+RECORD_AGGREGATE_LOSS = """
+import json, os, sys
+import rlcore.train
+from rlcore.cli import main
+
+real = rlcore.train.aggregate_loss
+
+def aggregate_loss(per_token, mask, loss_type, **kwargs):
+    loss = real(per_token, mask, loss_type, **kwargs)
+    with open(os.path.join(sys.argv[1], "rank" + os.environ["RANK"] + ".jsonl"), "a") as f:
+        f.write(json.dumps({"sum": float((per_token * mask).sum()), "tokens": float(mask.sum()),
+                            "loss": loss.item()}) + "\\n")
+    return loss
+
+rlcore.train.aggregate_loss = aggregate_loss
+sys.exit(main(sys.argv[2:]))
+"""
+
+
 def test_two_ranks_train_one_run_in_sync_and_resume(tmp_path):
-    """torchrun with 2 gloo ranks: 6 completions per rank, so a group of 4 straddles the ranks.
-    Replica checksums are compared at every checkpoint (a mismatch raises); rank 0 alone writes."""
-    run = tmp_path / "run"
-    args = cli_args(run, "train.per_device_train_batch_size=6", "train.max_steps=2", "train.save_steps=1",
-                    "train.log_completions=true", "train.num_completions_to_print=0",
-                    f"loss.reward_funcs=['{__name__}:first_digit', '{__name__}:extra_and_metric']")
-    out = torchrun(tmp_path, *args)
+    """torchrun with 2 gloo ranks: 6 completions per rank (2 accumulated micro-batches of 3), so a
+    group of 4 straddles the ranks. Replica checksums are compared at every checkpoint (a mismatch
+    raises); rank 0 alone writes. Stopped at step 2 and resumed to step 3, the run ends where an
+    uninterrupted 3-step run does (a constant schedule: a resume takes the new length's), with each
+    rank's sampler state its own. The uninterrupted run records each rank's micro-batch losses:
+    dapo's, each micro-batch's sum of l over the active tokens of the whole step (both ranks, both
+    micro-batches) / 2 (the average over ranks halves it again), so the step's is their token mean."""
+    run, whole = tmp_path / "run", tmp_path / "whole"
+    options = ["train.per_device_train_batch_size=3", "train.gradient_accumulation_steps=2", "train.save_steps=1",
+               "train.lr_scheduler_type=constant", "train.log_completions=true", "train.num_completions_to_print=0",
+               f"loss.reward_funcs=['{__name__}:first_digit', '{__name__}:extra_and_metric']"]
+    out = torchrun(tmp_path, *cli_args(run, "train.max_steps=2", *options))
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("held-out accuracy: before=") == 1  # rank 0 reports
     assert [r["step"] for r in rows(run)] == [1, 2]
@@ -851,3 +876,23 @@ def test_two_ranks_train_one_run_in_sync_and_resume(tmp_path):
     out = torchrun(tmp_path, "train", "--resume", str(run), "--set", "train.max_steps=3")
     assert out.returncode == 0, out.stderr[-3000:]
     assert [r["step"] for r in rows(run)] == [1, 2, 3]
+
+    (tmp_path / "record.py").write_text(RECORD_AGGREGATE_LOSS)
+    (tmp_path / "calls").mkdir()
+    out = torchrun(tmp_path, str(tmp_path / "calls"), *cli_args(whole, "train.max_steps=3", *options),
+                   script=tmp_path / "record.py")
+    assert out.returncode == 0, out.stderr[-3000:]
+    a, b = weights(whole / "checkpoint-3" / "model"), weights(run / "checkpoint-3" / "model")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(TIMING)}  # noqa: E731
+    assert [strip(r) for r in rows(run)] == [strip(r) for r in rows(whole)]
+    assert (run / "completions.jsonl").read_text() == (whole / "completions.jsonl").read_text()
+    calls = [[json.loads(ln) for ln in (tmp_path / "calls" / f"rank{r}.jsonl").read_text().splitlines()]
+             for r in (0, 1)]
+    assert [len(c) for c in calls] == [3 * 2, 3 * 2]  # 3 steps of GA = 2 micro-batches on each rank
+    for step, row in enumerate(rows(whole)):
+        parts = [c for rank in calls for c in rank[2 * step:2 * step + 2]]
+        step_tokens = sum(c["tokens"] for c in parts)
+        assert [c["loss"] for c in parts] == pytest.approx([c["sum"] / (step_tokens / 2) for c in parts], rel=1e-6)
+        assert max(abs(c["loss"]) for c in parts) > 1e-3  # (the step's own loss is near 0: A sums to 0 in a group)
+        assert row["loss"] == pytest.approx(sum(c["sum"] for c in parts) / step_tokens, abs=1e-7)
