@@ -63,7 +63,9 @@ def even_first_number(prompts, completions, **columns):
 def test_loop_trains_an_hf_checkpoint_and_writes_one_transformers_loads(qwen_dir, gsm8k_file, tmp_path, monkeypatch):
     import rlcore.train
 
-    monkeypatch.setitem(rlcore.train.TASK_REWARD, "jsonl", f"{__name__}:even_first_number")
+    # the loop's held-out scorer only (a copy: the config's check of the training rewards keeps the real table)
+    judge = {**rlcore.train.TASK_REWARD, "jsonl": f"{__name__}:even_first_number"}
+    monkeypatch.setattr(rlcore.train, "TASK_REWARD", judge)
     HELD_OUT_SCORES.clear()
     run = tmp_path / "run"
     cfg = load_config(None, [
