@@ -30,7 +30,7 @@ from rlcore.checkpoint import latest_checkpoint, load_model
 from rlcore.tasks import unique_problems
 from rlcore.train import train
 
-from conftest import EMBEDDED_NUM_EVAL as NUM_EVAL, EMBEDDED_SEED as SEED
+from conftest import EMBEDDED_NUM_EVAL as NUM_EVAL, EMBEDDED_SEED as SEED, exit_spawned_rank
 
 pytestmark = pytest.mark.usefixtures("embedded_dir")  # conftest: the embedded model, one torch thread
 SMALL = ["train.device=cpu", f"data.seed={SEED}", f"data.num_eval={NUM_EVAL}", "data.num_train=256",
@@ -821,6 +821,7 @@ def _evaluate_on_rank(rank, init_file, out_dir, model_dir):
     got = evaluate(load_model(model_dir), tok, examples, accuracy, 4, rank=rank, world=2)
     (Path(out_dir) / f"accuracy{rank}.json").write_text(json.dumps(got))
     dist.destroy_process_group()
+    exit_spawned_rank()  # conftest: without it, 1 run in ~30 aborted as the process exited
 
 
 def test_two_ranks_evaluate_half_the_prompts_each_and_report_the_whole(tmp_path, embedded_dir):
