@@ -4,6 +4,7 @@ completions.jsonl's columns, and the rows a resume keeps."""
 import pytest
 import torch
 
+from conftest import exit_spawned_rank
 from rlcore.losses.policy import policy_loss
 from rlcore.runlog import drop_rows_after, log_completions, log_line, reduce_metrics
 
@@ -35,6 +36,7 @@ def reduce_on_two_ranks(rank, store_path, parts, out):
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     out[rank] = reduce_metrics(parts[rank], world=2)
     dist.destroy_process_group()
+    exit_spawned_rank()  # conftest: gloo's last collective could abort the process at exit
 
 
 def test_step_metrics_combine_ranks_as_one_batch(tmp_path):

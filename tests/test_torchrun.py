@@ -18,8 +18,9 @@ from rlcore.embedded import build_embedded_model
 from rlcore.losses.advantages import score_completions
 from rlcore.rewards import RewardFunctionError
 from rlcore.tasks import unique_problems
-from test_train import aggregate_nan_on, cli_args, config, rows
 from rlcore.train import train
+from conftest import exit_spawned_rank
+from test_train import aggregate_nan_on, cli_args, config, rows
 
 
 def _raise_together_on_rank(rank, init_file, out):
@@ -35,6 +36,7 @@ def _raise_together_on_rank(rank, init_file, out):
         out[rank] = (str(e), e.trace, e.every_rank)
     distributed.raise_together(None, 2)  # nobody failed: nothing raised
     dist.destroy_process_group()
+    exit_spawned_rank()  # conftest: gloo's last collective could abort the process at exit
 
 
 def test_an_error_on_one_rank_is_raised_on_every_rank(tmp_path):
