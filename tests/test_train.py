@@ -531,7 +531,8 @@ def test_resume_after_a_crash_matches_an_uninterrupted_run(tmp_path, capsys):
 
 
 RESUMED_OPTIONS = {  # with test_train_options.py's synced reference and adaptive entropy control
-    "sapo, constant schedule, top_p": ["loss.policy_loss=sapo", "train.lr_scheduler_type=constant", "rollout.top_p=0.9"],
+    "sapo, constant schedule, top_p": ["loss.policy_loss=sapo", "train.lr_scheduler_type=constant",
+                                       "rollout.top_p=0.9"],
     "tis, entropy and off-policy masks, top_k": ["loss.tis_mode=token_truncate", "loss.top_entropy_quantile=0.5",
                                                  "loss.off_policy_mask_threshold=0.01", "rollout.top_k=5"],
     # rounds of S * mu / GA = 4 steps, checkpointed at round ends: the crash comes at the second
