@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -32,6 +31,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 from rlcore.model import ModelConfig, Transformer
 from rlcore.rollout import generate
+from rlcore.train import clock  # wall clock once the GPU's queued work is done
 
 HF_CONFIG = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
@@ -39,12 +39,6 @@ HF_CONFIG = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_
 SHAPES = {"bench": HF_CONFIG,
           "qwen2.5-0.5b": dict(HF_CONFIG, vocab_size=151936, hidden_size=896, intermediate_size=4864,
                                num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2)}
-
-
-def clock(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def matmul_peak_gflops(device: torch.device, n: int = 2048, repeats: int = 5) -> float:

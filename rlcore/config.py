@@ -408,11 +408,12 @@ def load_config(path: str | None = None, overrides: list[str] = (), world_size: 
     string when it is not one (`model.path=/ckpt/qwen`); `none` sets an optional field to None.
     The result is checked with `validate(config, world_size)`.
     """
-    d = {}
+    d, raw = {}, b""
     if path is not None:
         try:
             with open(path, "rb") as f:
-                d = tomllib.load(f)
+                raw = f.read()
+            d = tomllib.loads(raw.decode("utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist; pass an existing TOML file "
                               f"(see configs/ for examples)") from None
@@ -437,7 +438,7 @@ def load_config(path: str | None = None, overrides: list[str] = (), world_size: 
         section, key, value = parse_override(item)
         layer.setdefault(section, {})[key] = value
     base = None
-    if path is not None and builds_on_embedded_default(path, d, layer):
+    if path is not None and builds_on_embedded_default(path, raw, d, layer):
         with open(EMBEDDED_DEFAULT, "rb") as f:
             base = normalize(tomllib.load(f))
         train_file = d.get("train", {})
@@ -460,16 +461,14 @@ def load_config(path: str | None = None, overrides: list[str] = (), world_size: 
     return config
 
 
-def builds_on_embedded_default(path: str, file: dict, overrides: dict) -> bool:
-    """Whether the config file at `path` (`file` read and normalized, `overrides` the --set layer)
-    takes its unset keys from the embedded default: it names no model, so it trains the embedded
-    tiny model, which TRL's defaults do not fit (512 new tokens, lr 1e-6, another held-out set and so
-    another embedded model). A run's own config.toml is complete and is read as it is."""
-    if Path(path).resolve() == EMBEDDED_DEFAULT.resolve():
+def builds_on_embedded_default(path: str, raw: bytes, file: dict, overrides: dict) -> bool:
+    """Whether the config file at `path` (`raw` its bytes, `file` them read and normalized,
+    `overrides` the --set layer) takes its unset keys from the embedded default: it names no model,
+    so it trains the embedded tiny model, which TRL's defaults do not fit (512 new tokens, lr 1e-6,
+    another held-out set and so another embedded model). A run's own config.toml is complete and
+    is read as it is."""
+    if Path(path).resolve() == EMBEDDED_DEFAULT.resolve() or raw.startswith(RUN_CONFIG_HEADER.encode()):
         return False
-    with open(path, encoding="utf-8", errors="replace") as f:
-        if f.read(len(RUN_CONFIG_HEADER)) == RUN_CONFIG_HEADER:
-            return False
     model_path = overrides.get("model", {}).get("path", file.get("model", {}).get("path", ""))
     return not model_path
 

@@ -127,8 +127,8 @@ def raise_together(error: Exception | None, world: int) -> None:
     """Raise on every rank when any rank has an error (None: this rank has none): the first such
     rank's error, of its type, with its message and "(on rank r)". An error on one rank alone
     would leave the others waiting at their next collective, to fail there with a transport
-    traceback that buries it. The raised error has `every_rank = True`, so the command line
-    prints it once; a RewardFunctionError keeps its `trace`."""
+    traceback that buries it. Rank 0 has it too, so the command line prints it once, from rank 0;
+    a RewardFunctionError keeps its `trace`."""
     if world == 1:
         if error is not None:
             raise error
@@ -142,7 +142,7 @@ def raise_together(error: Exception | None, world: int) -> None:
             shared = kind(f"{message} (on rank {rank})")
         except TypeError:  # an exception class that takes other arguments
             shared = RuntimeError(f"{kind.__name__}: {message} (on rank {rank})")
-        shared.trace, shared.every_rank = trace, True
+        shared.trace = trace
         raise shared from error
 
 
