@@ -10,3 +10,7 @@ EMBEDDED_DEFAULT = Path(__file__).with_name("default.toml")  # the embedded defa
 class RlcoreWarning(UserWarning):
     """rlcore's own warnings (a TRL option dropped, a risky setting). The command line prints
     each as one `rlcore: warning:` line, once per run, from rank 0 only."""
+
+
+class ConfigError(ValueError):
+    """A config value that cannot run; the message names the key, the value and the fix."""

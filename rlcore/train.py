@@ -34,8 +34,7 @@ import torch
 from rlcore.checkpoint import (RUN_CONFIG_HEADER, check_model_dir, check_new_run_dir, checkpoint_step,
                                latest_checkpoint, load_model, load_resumed_model, load_trainer_state, resolve_dtype,
                                resume_command, save_checkpoint)
-from rlcore.config import (Config, dump_config, embedded_model_name, epoch_steps, generation_steps, recorded_model,
-                           validate, warn_bf16_weights, with_absolute_paths)
+from rlcore.config import Config, dump_config, embedded_model_name, recorded_model, with_absolute_paths
 from rlcore import RlcoreWarning, distributed
 from rlcore.data import encode_prompts, load_examples
 from rlcore.embedded import build_embedded_model
@@ -51,6 +50,7 @@ from rlcore.runlog import drop_rows_after, log_completions, log_line, record_eva
 from rlcore.sft import SharedPrompts, completion_logprobs, pack
 from rlcore.tasks import TASK_REWARD, unique_problems
 from rlcore.tokenizer import Tokenizer, check_vocab_fits
+from rlcore.validation import epoch_steps, generation_steps, validate, warn_bf16_weights
 
 
 # ----------------------------------------------------------------------------- plumbing
