@@ -95,7 +95,7 @@ def run_command(argv: list[str] | None = None) -> int:
     sub.add_parser("options", help="print every config option with its type, default and meaning")
     args = parser.parse_args(argv)
 
-    from rlcore.config import ConfigError, load_config, options_table
+    from rlcore.config import ConfigError, load_config, model_in_overrides, options_table
 
     if args.command == "options":
         print(options_table())
@@ -122,7 +122,14 @@ def run_command(argv: list[str] | None = None) -> int:
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     try:
-        cfg = load_config(args.config or DEFAULT_CONFIG, args.overrides, world_size=world)
+        # No config file: the embedded default run, unless a --set names a model (it is not that
+        # run's tiny model, so its 4-token completions and lr 1e-4 do not fit): then rlcore's defaults.
+        model = "" if args.config else model_in_overrides(args.overrides)
+        cfg = load_config(args.config or (None if model else DEFAULT_CONFIG), args.overrides, world_size=world)
+        if model and launch_rank() == 0:
+            print(f"rlcore: no config file, and --set names a model ({model}): the options it leaves unset take "
+                  f"rlcore's defaults (TRL's GRPOConfig values; rlcore options lists them), not the embedded "
+                  f"default run's", file=sys.stderr)
         if cfg.base and launch_rank() == 0:
             print(f"rlcore: {args.config} names no model (model.path), so it trains the embedded tiny model; "
                   f"the keys it leaves unset take the embedded default's values ({cfg.base})", file=sys.stderr)

@@ -469,6 +469,13 @@ def builds_on_embedded_default(path: str, raw: bytes, file: dict, overrides: dic
     return not model_path
 
 
+def model_in_overrides(overrides: list[str]) -> str:
+    """The model.path the `--set` values give (the last one wins), or "" when none names a model
+    ("embedded" names the embedded one, as "" does)."""
+    paths = [value for section, key, value in map(parse_override, overrides) if (section, key) == ("model", "path")]
+    return "" if not paths or str(paths[-1]) in ("", "embedded") else str(paths[-1])
+
+
 def looks_like_yaml(path: str) -> bool:
     """A .yaml/.yml name, or a first setting written `key: value` (TRL's and verl's recipe files)."""
     if Path(path).suffix.lower() in (".yaml", ".yml"):

@@ -155,6 +155,26 @@ def test_cli_says_when_a_config_builds_on_the_embedded_default(tmp_path, capsys)
     assert "names no model" not in capsys.readouterr().err
 
 
+def test_cli_without_a_config_naming_a_model_takes_rlcores_defaults(tmp_path, capsys, monkeypatch):
+    """The embedded default run's recipe (4-token completions, lr 1e-4) is for its tiny model: a
+    --set that names another model runs on the dataclass defaults (TRL's values), and says so."""
+    import rlcore.train
+    from rlcore.config import RolloutArgs, TrainArgs
+
+    seen = []
+    monkeypatch.setattr(rlcore.train, "train", lambda cfg, resume=None: seen.append(cfg) or {"before": 0, "after": 0})
+    monkeypatch.setattr("rlcore.cli.plot_metrics", lambda run: "")
+    for model in ("/ckpt/qwen", "embedded"):
+        assert main(["train", "--set", f"model_name_or_path={model}", "--set", f"train.output_dir={tmp_path}"]) == 0
+    real, embedded = seen
+    assert (real.rollout.max_completion_length, real.train.learning_rate) == (RolloutArgs.max_completion_length,
+                                                                              TrainArgs.learning_rate)
+    assert (embedded.rollout.max_completion_length, embedded.train.learning_rate) == (4, 1e-4)  # rlcore/default.toml
+    err = capsys.readouterr().err
+    assert err.count("rlcore: no config file, and --set names a model (/ckpt/qwen): the options it leaves unset "
+                     "take rlcore's defaults") == 1, err
+
+
 def test_cli_refuses_to_train_over_an_existing_run(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(cli_args(run, "train.max_steps=1")) == 0
