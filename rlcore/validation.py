@@ -171,6 +171,16 @@ def validate(config: Config, world_size: int = 1) -> None:
     need(judge == "accuracy" or judge in lo.reward_funcs,
          f"data.task = {d.task!r} is scored by the {judge!r} reward, but loss.reward_funcs = "
          f"{lo.reward_funcs}; --set loss.reward_funcs='[\"{judge}\"]'")
+    if d.task == "jsonl" and not d.answer_column:  # no reference answers to compare with
+        need("accuracy" not in lo.reward_funcs,
+             f"loss.reward_funcs = {lo.reward_funcs} has 'accuracy', which compares each completion with its row's "
+             f"reference answer, but data.answer_column = '' reads none, so every score would be None and no step "
+             f"would learn; name the answer column (--set data.answer_column=answer) or score with your own "
+             f"reward function ('module:function')")
+        if d.num_eval:
+            warnings.warn(f"data.answer_column = '': held-out accuracy compares completions with reference answers "
+                          f"and there are none, so it reads 0.000 throughout; set data.num_eval = 0 to skip it",
+                          RlcoreWarning, stacklevel=2)
     if config.model.dtype == "bfloat16":
         warn_bf16_weights(config, "model.dtype = 'bfloat16'")
     if lo.loss_type == "luspo" and lo.importance_sampling_level != "sequence":

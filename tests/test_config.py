@@ -13,7 +13,8 @@ import pytest
 from rlcore import EMBEDDED_DEFAULT
 from rlcore.checkpoint import RUN_CONFIG_HEADER
 from rlcore.config import (SECTIONS, Config, ConfigError, config_to_dict, dump_config, field_docs,
-                           load_config, options_table, parse_override, validate)
+                           load_config, options_table, parse_override)
+from rlcore.validation import validate
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -549,6 +550,19 @@ def test_jsonl_task_needs_a_path():
 def test_countdown_task_needs_countdown_reward():
     with pytest.raises(ConfigError, match=r"--set loss\.reward_funcs='\[\"countdown\"\]'"):
         load_config(None, ["data.task=countdown"])
+
+
+def test_a_jsonl_task_without_answers_cannot_score_with_accuracy_and_warns_about_held_out_accuracy():
+    jsonl = ["data.task=jsonl", "data.path=train.jsonl", "data.answer_column="]
+    with pytest.raises(ConfigError, match=r"loss\.reward_funcs = \['accuracy'\] has 'accuracy', which compares .* "
+                                          r"data\.answer_column = '' reads none.*--set data\.answer_column=answer"):
+        load_config(None, [*jsonl, "data.num_eval=0"])
+    with pytest.warns(UserWarning, match=r"data\.answer_column = '': held-out accuracy .* reads 0\.000 throughout; "
+                                         r"set data\.num_eval = 0"):
+        load_config(None, [*jsonl, "loss.reward_funcs=['format']"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config(None, [*jsonl, "loss.reward_funcs=['format']", "data.num_eval=0"])
 
 
 def test_constant_schedule_with_warmup_is_an_error():
