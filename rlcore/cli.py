@@ -4,6 +4,7 @@ and `rlcore options`, the table of every option with its default and meaning."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -95,7 +96,7 @@ def run_command(argv: list[str] | None = None) -> int:
     sub.add_parser("options", help="print every config option with its type, default and meaning")
     args = parser.parse_args(argv)
 
-    from rlcore.config import ConfigError, load_config, model_in_overrides, options_table
+    from rlcore.config import ConfigError, load_config, model_in_overrides, options_table, overridden
 
     if args.command == "options":
         print(options_table())
@@ -121,6 +122,13 @@ def run_command(argv: list[str] | None = None) -> int:
     # so a file there named like one of rlcore's dependencies does not shadow it.
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
+    with contextlib.suppress(ConfigError):  # a malformed --set: load_config below names it
+        moved = overridden(args.overrides, "train.output_dir") if args.resume else None
+        if moved is not None and Path(str(moved)).resolve() != Path(args.resume).resolve():
+            report(f"rlcore: error: --resume {args.resume} continues that run in its own directory, so --set "
+                   f"train.output_dir={moved} would be ignored; to continue it elsewhere, copy the run directory "
+                   f"there and --resume the copy")
+            return 2
     try:
         # No config file: the embedded default run, unless a --set names a model (it is not that
         # run's tiny model, so its 4-token completions and lr 1e-4 do not fit): then rlcore's defaults.

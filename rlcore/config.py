@@ -469,11 +469,17 @@ def builds_on_embedded_default(path: str, raw: bytes, file: dict, overrides: dic
     return not model_path
 
 
+def overridden(overrides: list[str], option: str):
+    """The value the `--set` values give `option` ("section.key"; the last one wins), or None."""
+    values = [value for section, key, value in map(parse_override, overrides) if f"{section}.{key}" == option]
+    return values[-1] if values else None
+
+
 def model_in_overrides(overrides: list[str]) -> str:
-    """The model.path the `--set` values give (the last one wins), or "" when none names a model
-    ("embedded" names the embedded one, as "" does)."""
-    paths = [value for section, key, value in map(parse_override, overrides) if (section, key) == ("model", "path")]
-    return "" if not paths or str(paths[-1]) in ("", "embedded") else str(paths[-1])
+    """The model.path the `--set` values give, or "" when none names a model ("embedded" names
+    the embedded one, as "" does)."""
+    path = overridden(overrides, "model.path")
+    return "" if path is None or str(path) in ("", "embedded") else str(path)
 
 
 def looks_like_yaml(path: str) -> bool:
@@ -718,8 +724,11 @@ def _check_type(key: str, value, tp):
             also = ", or true / false" if bool in base else ""
             raise ConfigError(f"{key} = {value!r} is not a valid choice; valid: "
                               f"{', '.join(repr(c) for c in choices)}{also}{hint}")
+    quoted = ""
+    if isinstance(value, str) and _toml_literal(value) is not None and _convert(_toml_literal(value), tp)[0]:
+        quoted = f" (in quotes, {value} is a string in TOML: write {key.split('.')[-1]} = {value})"
     raise ConfigError(f"{key} = {value!r} has type {type(value).__name__}, expected "
-                      f"{_describe(tp)}; e.g. {_shell_set(f'{key}={_example(tp)}')}")
+                      f"{_describe(tp)}{quoted}; e.g. {_shell_set(f'{key}={_example(tp, key)}')}")
 
 
 def _convert(value, tp) -> tuple[bool, object]:
@@ -739,7 +748,14 @@ def _convert(value, tp) -> tuple[bool, object]:
     return type(value) is tp, value
 
 
-def _example(tp) -> str:
+def _example(tp, key: str = "") -> str:
+    """A value for a field annotated `tp`: the default of option `key` ("section.name") when it has
+    one of that type (a learning rate's example is its default, not 0.5), else a placeholder."""
+    section, _, name = key.partition(".")
+    default = next((f.default for f in dataclasses.fields(SECTIONS[section]) if f.name == name), None) \
+        if section in SECTIONS else None
+    if default not in (None, dataclasses.MISSING, "") and not isinstance(default, bool) and _convert(default, tp)[0]:
+        return _toml_value(default) if not isinstance(default, str) else default
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         return _example(args[0])

@@ -204,6 +204,8 @@ def validate(config: Config, world_size: int = 1) -> None:
                       f"{lo.loss_type!r}: the GSPO objective is loss_type = 'grpo' (per-sequence mean)",
                       RlcoreWarning, stacklevel=2)
 
+    need(bool(t.output_dir.strip()), f"train.output_dir = {t.output_dir!r} names no directory (an unset shell "
+         f"variable?); the run would write into the current one; give it one, e.g. runs/my-run")
     need(t.num_completions_to_print is None or t.num_completions_to_print >= 0,
          f"train.num_completions_to_print = {t.num_completions_to_print} must be >= 0, or none to print all")
     need(t.save_total_limit is None or t.save_total_limit >= 1,

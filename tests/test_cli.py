@@ -198,6 +198,16 @@ def test_cli_resume_of_a_directory_without_checkpoints_is_an_error(tmp_path, cap
     assert f"it is a checkpoint: --resume takes its run directory, --resume {ck.parent}" in capsys.readouterr().err
 
 
+def test_cli_resume_refuses_a_new_output_dir_it_would_ignore(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(cli_args(run, "train.max_steps=1")) == 0
+    before = sorted(p.name for p in run.iterdir())
+    assert main(["train", "--resume", str(run), "--set", f"train.output_dir={tmp_path / 'elsewhere'}"]) == 2
+    assert (f"--resume {run} continues that run in its own directory, so --set train.output_dir="
+            f"{tmp_path / 'elsewhere'} would be ignored") in capsys.readouterr().err
+    assert sorted(p.name for p in run.iterdir()) == before and not (tmp_path / "elsewhere").exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_on_a_machine_without_it_is_an_error_naming_the_fix(tmp_path, capsys):
     assert main(cli_args(tmp_path / "run", "train.device=cuda")) == 1  # was a raw traceback from pin_memory

@@ -420,6 +420,14 @@ def test_wrong_type_names_key_value_and_expected_type(item, expected):
         load_config(None, [item])
 
 
+def test_a_wrong_type_suggests_the_options_default_and_a_quoted_number_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"expected a float; e\.g\. --set train\.learning_rate=1e-06$"):
+        load_config(None, ["train.learning_rate=1e-5x"])  # the default, not a placeholder 0.5
+    with pytest.raises(ConfigError, match=r"train\.learning_rate = '1e-6' has type str, expected a float \(in quotes, "
+                                          r"1e-6 is a string in TOML: write learning_rate = 1e-6\)"):
+        load_config(write(tmp_path, 'learning_rate = "1e-6"\n'), [])
+
+
 def test_bool_is_not_accepted_as_int():
     with pytest.raises(ConfigError, match=r"train\.max_steps = True has type bool, expected an int"):
         Config.from_dict({"train": {"max_steps": True}})
@@ -563,6 +571,11 @@ def test_a_jsonl_task_without_answers_cannot_score_with_accuracy_and_warns_about
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_config(None, [*jsonl, "loss.reward_funcs=['format']", "data.num_eval=0"])
+
+
+def test_an_empty_output_dir_is_an_error():
+    with pytest.raises(ConfigError, match=r"train\.output_dir = '' names no directory \(an unset shell variable\?\)"):
+        load_config(None, ["train.output_dir="])
 
 
 def test_constant_schedule_with_warmup_is_an_error():
