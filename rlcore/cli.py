@@ -76,6 +76,24 @@ def plain_warnings(message, category, filename, lineno, file=None, line=None, *,
     _default(message, category, filename, lineno, file, line)
 
 
+def unknown_argument_hint(unknown: list[str], argv: list[str] | None) -> str:
+    """What to write instead of a flag rlcore does not take, as TRL's and transformers' scripts
+    take them (`--config`, `--max_steps 5`, `--resume_from_checkpoint`)."""
+    flag, _, value = unknown[0].partition("=")
+    name = flag.lstrip("-").replace("-", "_")
+    if not flag.startswith("--"):
+        return ""
+    given = sys.argv[1:] if argv is None else argv
+    i = given.index(unknown[0]) if unknown[0] in given else -1
+    if not value and 0 <= i < len(given) - 1 and not given[i + 1].startswith("-"):
+        value = given[i + 1]  # `--max_steps 5`: argparse took the 5 as CONFIG
+    if name == "config":
+        return f"; give the config file without a flag: rlcore train {value or 'CONFIG.toml'}"
+    if name == "resume_from_checkpoint":
+        return "; continue a run with --resume RUN_DIR (its run directory, not a checkpoint in it)"
+    return f"; rlcore sets options with --set: --set {name}={value or 'VALUE'} (rlcore options lists them)"
+
+
 def main(argv: list[str] | None = None) -> int:
     shown = set()  # the warnings this command has printed
     with warnings.catch_warnings():
@@ -94,7 +112,9 @@ def run_command(argv: list[str] | None = None) -> int:
     p.epilog = ("Every option, with its default: rlcore options. A TRL GRPOConfig name works as it is, in a TOML "
                 "file or as --set beta=0.04.")
     sub.add_parser("options", help="print every config option with its type, default and meaning")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{unknown_argument_hint(unknown, argv)}")
 
     from rlcore.config import ConfigError, load_config, model_in_overrides, options_table, overridden
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from rlcore.checkpoint import (RUN_CONFIG_HEADER, check_model_dir, check_new_run_dir, checkpoint_step,
+from rlcore.checkpoint import (RUN_CONFIG_HEADER, CheckpointError, check_model_dir, check_new_run_dir, checkpoint_step,
                                latest_checkpoint, load_model, load_resumed_model, load_trainer_state, resolve_dtype,
                                resume_command, save_checkpoint)
 from rlcore.config import Config, dump_config, embedded_model_name, recorded_model, with_absolute_paths
@@ -167,7 +167,12 @@ def reference_model(cfg: Config, model, model_dir: Path, ck: Path | None, dtype:
     """The KL reference: model.ref_path or the initial policy, or on --resume the copy a checkpoint
     holds once loss.sync_ref_model has changed it. sync_ref_model needs the policy's architecture."""
     synced = ck / "ref_model" if ck and (ck / "ref_model").is_dir() else None
-    ref = load_model(synced or cfg.model.ref_path or model_dir, dtype, device).eval()
+    try:
+        ref = load_model(synced or cfg.model.ref_path or model_dir, dtype, device).eval()
+    except CheckpointError as e:
+        if synced or not cfg.model.ref_path:
+            raise
+        raise CheckpointError(f"model.ref_path: {e}") from None
     differ = weight_layout_difference(ref, model) if cfg.loss.sync_ref_model else None
     if differ:
         raise ValueError(f"loss.sync_ref_model mixes the policy into the reference weight by weight, but "

@@ -36,6 +36,19 @@ def test_cli_options_prints_every_option_and_train_help_points_to_it(capsys):
     assert "rlcore options" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("args, hint", [
+    (["--config", "grpo.toml"], "--config; give the config file without a flag: rlcore train grpo.toml"),
+    (["--max_steps", "5"], "--max_steps; rlcore sets options with --set: --set max_steps=5"),
+    (["--learning-rate=1e-6"], "--learning-rate=1e-6; rlcore sets options with --set: --set learning_rate=1e-6"),
+    (["--resume_from_checkpoint", "out/checkpoint-5"],
+     "--resume_from_checkpoint; continue a run with --resume RUN_DIR"),
+])
+def test_cli_flags_from_trl_scripts_name_what_rlcore_takes_instead(args, hint, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["train", *args])
+    assert exit.value.code == 2 and f"rlcore: error: unrecognized arguments: {hint}" in capsys.readouterr().err
+
+
 def test_cli_shows_rlcore_warnings_as_plain_lines(tmp_path, capsys):
     assert main(cli_args(tmp_path / "run", "train.max_steps=1", "report_to=wandb")) == 0
     err = capsys.readouterr().err

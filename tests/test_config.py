@@ -573,6 +573,15 @@ def test_a_jsonl_task_without_answers_cannot_score_with_accuracy_and_warns_about
         load_config(None, [*jsonl, "loss.reward_funcs=['format']", "data.num_eval=0"])
 
 
+def test_a_reference_checkpoint_without_beta_is_named_as_unused():
+    with pytest.warns(UserWarning, match=r"model\.ref_path = '/ckpt/ref' is read only when loss\.beta != 0, and it "
+                                         r"is 0\.0: no reference model and no KL term; set loss\.beta"):
+        load_config(None, ["model.ref_path=/ckpt/ref"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config(None, ["model.ref_path=/ckpt/ref", "loss.beta=0.04"])
+
+
 def test_an_empty_output_dir_is_an_error():
     with pytest.raises(ConfigError, match=r"train\.output_dir = '' names no directory \(an unset shell variable\?\)"):
         load_config(None, ["train.output_dir="])

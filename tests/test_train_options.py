@@ -126,6 +126,13 @@ def test_sync_ref_model_with_a_reference_of_another_architecture_is_an_error_at_
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or rows(tmp_path / "run") == []
 
 
+def test_a_missing_reference_checkpoint_is_named_as_model_ref_path(tmp_path):
+    from rlcore.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match=rf"^model\.ref_path: {tmp_path / 'nope'}"):
+        train(config(tmp_path / "run", "train.max_steps=1", "loss.beta=0.04", f"model.ref_path={tmp_path / 'nope'}"))
+
+
 def test_a_synced_reference_resumes_from_its_checkpoint(tmp_path):
     steps = ["train.max_steps=4", "train.save_steps=2", "loss.beta=0.04", "loss.sync_ref_model=true",
              "loss.ref_model_sync_steps=1", "loss.ref_model_mixup_alpha=0.6"]
