@@ -181,15 +181,20 @@ def message_text(content: str | list[dict]) -> str:
 def load_examples(data) -> tuple[list[dict], list[dict]]:
     """(train, eval) examples for a `DataArgs` config section; eval never overlaps train.
 
-    Synthetic tasks: `tasks.train_eval_split`. JSONL: `data.eval_path` when given, else the first
-    `num_eval` rows of `data.path` after a shuffle seeded by `data.seed`; then at most `num_train`
-    training rows (0 = all).
+    Synthetic tasks: `tasks.train_eval_split`. JSONL: `data.eval_path` when given (a file other than
+    `data.path`), else the first `num_eval` rows of `data.path` after a shuffle seeded by `data.seed`;
+    then at most `num_train` training rows (0 = all).
     """
     if data.task != "jsonl":  # a synthetic task (an unknown name is an error naming tasks.TASKS)
         return train_eval_split(data.task, data.num_train, data.num_eval, data.seed)
     rows = load_jsonl(data.path, data.prompt_column, data.answer_column)
     random.Random(data.seed).shuffle(rows)
     if data.eval_path:
+        if Path(data.eval_path).resolve() == Path(data.path).resolve():  # also another spelling of it, or a symlink
+            raise DataError(f"data.eval_path = {data.eval_path!r} is the same file as data.path = {data.path!r} "
+                            f"({Path(data.path).resolve()}), so eval accuracy would be measured on training prompts; "
+                            f"leave data.eval_path unset to hold out data.num_eval rows of data.path, or set it to "
+                            f"a separate file")
         evals = load_jsonl(data.eval_path, data.prompt_column, data.answer_column, key="data.eval_path")
         evals = evals[:data.num_eval]
     else:

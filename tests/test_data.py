@@ -3,8 +3,10 @@
 import gzip
 import io
 import json
+import re
 import string
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -262,6 +264,19 @@ def test_jsonl_eval_path_is_the_eval_set(tmp_path):
     eval_path = write_jsonl(tmp_path, [{"prompt": "test", "answer": "0"}], name="test.jsonl")
     train, evals = load_examples(DataArgs(task="jsonl", path=path, eval_path=eval_path, num_train=0))
     assert len(train) == 10 and [ex["prompt"] for ex in evals] == ["test"]
+
+
+@pytest.mark.parametrize("spelling", ["the same string", "another relative path", "a symlink"])
+def test_an_eval_path_that_is_data_path_is_an_error_naming_both_options_and_the_fix(tmp_path, monkeypatch, spelling):
+    path = write_jsonl(tmp_path, [{"prompt": f"q{i}", "answer": str(i)} for i in range(10)])
+    (tmp_path / "link.jsonl").symlink_to(path)
+    monkeypatch.chdir(tmp_path)
+    eval_path = {"the same string": path, "another relative path": "./data.jsonl", "a symlink": "link.jsonl"}[spelling]
+    named = f"data.eval_path = '{eval_path}' is the same file as data.path = '{path}' ({Path(path).resolve()})"
+    with pytest.raises(DataError, match=re.escape(named) + r", so eval accuracy would be measured on training prompts; "
+                                        r"leave data\.eval_path unset to hold out data\.num_eval rows of data\.path, "
+                                        r"or set it to a separate file"):
+        load_examples(DataArgs(task="jsonl", path=path, eval_path=eval_path))
 
 
 def test_jsonl_too_small_for_num_eval_is_an_error(tmp_path):
