@@ -15,6 +15,7 @@ import random
 import re
 from pathlib import Path
 
+from rlcore.rewards import REWARD_KEYWORDS
 from rlcore.tasks import train_eval_split
 
 
@@ -62,7 +63,8 @@ def load_jsonl(path: str, prompt_column: str = "prompt", answer_column: str | No
     string, or a list of `{"type": "text", "text"}` parts) and becomes `prompt`; `answer_column`
     (None or "" = the dataset has no answers) must hold a string or a number (or null: a row
     without one, which `accuracy` scores None) and becomes `answer`, with a GSM8K-style final
-    answer extracted (`final_answer`). Other columns are kept as they are.
+    answer extracted (`final_answer`). Other columns are kept as they are. No column may be named
+    as a keyword rlcore passes reward functions itself (`rewards.REWARD_KEYWORDS`: prompts, completions...).
     """
     p = Path(path)
     if not p.is_file():
@@ -125,6 +127,12 @@ def _jsonl_beside(p: Path) -> Path:
 
 
 def _example(row: dict, where: str, prompt_column: str, answer_column: str | None) -> dict:
+    clash = next((column for column in row if column in REWARD_KEYWORDS), None)
+    if clash is not None:
+        option = {prompt_column: "data.prompt_column", answer_column: "data.answer_column"}.get(clash)
+        raise DataError(f"{where}: column {clash!r} has the name of a keyword rlcore passes to reward functions itself "
+                        f"({', '.join(REWARD_KEYWORDS)}), so they would get it twice; rename the column"
+                        + (f" and set {option} to the new name" if option else ""))
     columns = ", ".join(map(repr, row)) or "none"
     if prompt_column not in row:
         raise DataError(f"{where}: no column {prompt_column!r} (columns: {columns}); set "

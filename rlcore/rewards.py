@@ -11,7 +11,8 @@ The keywords are TRL's (`reward_inputs` builds them):
   `log_extra(column, values)` adds a column (one value per completion) to completions.jsonl
   when train.log_completions is on, else it is dropped;
 - every dataset column, one value per completion (a prompt's columns repeated for its G
-  completions; None where a row lacks a column other rows have).
+  completions; None where a row lacks a column other rows have). A column named as one of the
+  keywords above is an error when the dataset loads.
 A function with `**kwargs` receives all of them; one without gets those it names. It returns
 one float (or bool) per completion, or None (or NaN) where it cannot score that completion (for
 example, the row has no reference answer); SPEC section 2 says how None enters the advantages.
@@ -80,6 +81,7 @@ def reward_extras(completion_ids: list[list[int]], trainer_state: RewardState,
 
 
 REWARD_EXTRAS = tuple(inspect.signature(reward_extras).parameters)
+REWARD_KEYWORDS = ("prompts", "completions", *REWARD_EXTRAS)  # what no dataset column may be named (data.load_jsonl)
 
 
 def dataset_columns(examples: list[dict]) -> list[str]:

@@ -238,6 +238,22 @@ def test_wrong_answer_type_names_line_and_value(tmp_path):
         load_jsonl(write_jsonl(tmp_path, [{"prompt": "a", "answer": [1]}]))
 
 
+@pytest.mark.parametrize("column", ["prompts", "completions", "completion_ids", "trainer_state", "log_metric",
+                                    "log_extra"])
+def test_a_column_named_as_a_reward_keyword_names_line_column_and_fix(tmp_path, column):
+    path = write_jsonl(tmp_path, [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2", column: "x"}])
+    with pytest.raises(DataError, match=rf"data\.jsonl:2: column '{column}' has the name of a keyword rlcore passes "
+                                        r"to reward functions itself \(prompts, completions, .*\), so they would get "
+                                        r"it twice; rename the column$"):
+        load_jsonl(path)  # was: accepted, and the first reward call "got multiple values for keyword argument"
+
+
+def test_a_prompt_column_named_as_a_reward_keyword_is_renamed_with_data_prompt_column(tmp_path):
+    with pytest.raises(DataError, match=r"data\.jsonl:1: column 'prompts' has the name of a keyword .*; rename the "
+                                        r"column and set data\.prompt_column to the new name"):
+        load_jsonl(write_jsonl(tmp_path, [{"prompts": "a", "answer": "1"}]), prompt_column="prompts")
+
+
 # ---- load_examples ----
 
 def test_synthetic_task_examples_come_from_the_task():
