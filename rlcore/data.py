@@ -55,7 +55,7 @@ def final_answer(answer: str) -> str:
 
 
 def load_jsonl(path: str, prompt_column: str = "prompt", answer_column: str | None = "answer",
-               key: str = "data.path") -> list[dict]:
+               key: str = "data.path", train_path: str | None = None) -> list[dict]:
     """One example per non-blank line of the UTF-8 JSONL file at `path` (the config's `key`;
     a byte-order mark at the start is skipped).
 
@@ -65,6 +65,8 @@ def load_jsonl(path: str, prompt_column: str = "prompt", answer_column: str | No
     without one, which `accuracy` scores None) and becomes `answer`, with a GSM8K-style final
     answer extracted (`final_answer`). Other columns are kept as they are. No column may be named
     as a keyword rlcore passes reward functions itself (`rewards.REWARD_KEYWORDS`: prompts, completions...).
+    `train_path`: data.path, loaded before, when this file is data.eval_path: a missing prompt or
+    answer column is then a difference between the two files, not a wrong column option.
     """
     p = Path(path)
     if not p.is_file():
@@ -102,7 +104,7 @@ def load_jsonl(path: str, prompt_column: str = "prompt", answer_column: str | No
             if not isinstance(row, dict):
                 raise DataError(f"{where}: a JSON {type(row).__name__}, expected an object such as "
                                 f'{{"{prompt_column}": "...", "{answer_column or "answer"}": "..."}}')
-            examples.append(_example(row, where, prompt_column, answer_column))
+            examples.append(_example(row, where, prompt_column, answer_column, train_path))
     if not examples:
         raise DataError(f"dataset file {path} has no examples (it is empty or blank); "
                         f"write one JSON object per line")
@@ -126,7 +128,7 @@ def _jsonl_beside(p: Path) -> Path:
     return out if out != p else p.with_name(p.name + ".jsonl")
 
 
-def _example(row: dict, where: str, prompt_column: str, answer_column: str | None) -> dict:
+def _example(row: dict, where: str, prompt_column: str, answer_column: str | None, train_path: str | None) -> dict:
     clash = next((column for column in row if column in REWARD_KEYWORDS), None)
     if clash is not None:
         option = {prompt_column: "data.prompt_column", answer_column: "data.answer_column"}.get(clash)
@@ -135,8 +137,8 @@ def _example(row: dict, where: str, prompt_column: str, answer_column: str | Non
                         + (f" and set {option} to the new name" if option else ""))
     columns = ", ".join(map(repr, row)) or "none"
     if prompt_column not in row:
-        raise DataError(f"{where}: no column {prompt_column!r} (columns: {columns}); set "
-                        f"data.prompt_column to the column that holds the prompt")
+        raise _missing_column(where, prompt_column, columns, "prompt", train_path,
+                              "set data.prompt_column to the column that holds the prompt")
     prompt = row[prompt_column]
     if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
         raise DataError(f"{where}: column {prompt_column!r} = {str(prompt)[:60]!r} has type "
@@ -149,9 +151,9 @@ def _example(row: dict, where: str, prompt_column: str, answer_column: str | Non
     answer = None
     if answer_column:
         if answer_column not in row:
-            raise DataError(f"{where}: no column {answer_column!r} (columns: {columns}); set "
-                            f"data.answer_column to the column with the reference answer, or to "
-                            f'"" if the dataset has none')
+            raise _missing_column(where, answer_column, columns, "answer", train_path,
+                                  'set data.answer_column to the column with the reference answer, or to "" if the '
+                                  'dataset has none')
         raw = row[answer_column]
         if raw is not None and (isinstance(raw, bool) or not isinstance(raw, (str, int, float))):
             raise DataError(f"{where}: column {answer_column!r} = {str(raw)[:60]!r} has type "
@@ -159,6 +161,18 @@ def _example(row: dict, where: str, prompt_column: str, answer_column: str | Non
                             f"without a reference answer")
         answer = final_answer(raw) if isinstance(raw, str) else None if raw is None else str(raw)
     return Example({**row, "prompt": prompt, "answer": answer}, where)
+
+
+def _missing_column(where: str, column: str, columns: str, kind: str, train_path: str | None, fix: str) -> DataError:
+    """The error for a row without its `kind` ("prompt" or "answer") column, `fix` when the column
+    option is wrong. In data.eval_path's file (`train_path` given) the option is right: data.path has
+    the column, so the eval file's column differs."""
+    if train_path is None:
+        return DataError(f"{where}: no column {column!r} (columns: {columns}); {fix}")
+    return DataError(f"{where}: no column {column!r} (columns: {columns}), which data.path ({train_path}) has: the "
+                     f"eval file's columns differ from data.path's, and data.{kind}_column names the {kind} column "
+                     f"of both; give the files the same prompt and answer columns (rename this file's {kind} column "
+                     f"to {column!r})")
 
 
 def _check_message(m, where: str) -> None:
@@ -203,7 +217,8 @@ def load_examples(data) -> tuple[list[dict], list[dict]]:
                             f"({Path(data.path).resolve()}), so eval accuracy would be measured on training prompts; "
                             f"leave data.eval_path unset to hold out data.num_eval rows of data.path, or set it to "
                             f"a separate file")
-        evals = load_jsonl(data.eval_path, data.prompt_column, data.answer_column, key="data.eval_path")
+        evals = load_jsonl(data.eval_path, data.prompt_column, data.answer_column, key="data.eval_path",
+                           train_path=data.path)
         evals = evals[:data.num_eval]
     else:
         if len(rows) <= data.num_eval:

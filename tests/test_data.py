@@ -295,6 +295,20 @@ def test_an_eval_path_that_is_data_path_is_an_error_naming_both_options_and_the_
         load_examples(DataArgs(task="jsonl", path=path, eval_path=eval_path))
 
 
+@pytest.mark.parametrize("eval_row, column", [({"question": "q", "answer": "1"}, "prompt"),
+                                             ({"prompt": "q", "solution": "1"}, "answer")])
+def test_an_eval_file_without_a_column_of_data_path_says_the_files_columns_differ(tmp_path, eval_row, column):
+    path = write_jsonl(tmp_path, [{"prompt": f"q{i}", "answer": str(i)} for i in range(10)])
+    eval_path = write_jsonl(tmp_path, [eval_row], name="eval.jsonl")
+    with pytest.raises(DataError, match=rf"eval\.jsonl:1: no column '{column}' \(columns: .*\), which data\.path "
+                                        rf"\({re.escape(path)}\) has: the eval file's columns differ from "
+                                        rf"data\.path's, and data\.{column}_column names the {column} column of both; "
+                                        rf"give the files the same prompt and answer columns \(rename this file's "
+                                        rf"{column} column to '{column}'\)") as error:
+        load_examples(DataArgs(task="jsonl", path=path, eval_path=eval_path))
+    assert f"set data.{column}_column" not in str(error.value)  # was the advice, which breaks data.path
+
+
 def test_jsonl_too_small_for_num_eval_is_an_error(tmp_path):
     path = write_jsonl(tmp_path, [{"prompt": "q", "answer": "1"}] * 3)
     with pytest.raises(DataError, match=r"has 3 examples, so data\.num_eval = 32 leaves none to train on"):
