@@ -13,8 +13,10 @@ import codecs
 import json
 import random
 import re
+import warnings
 from pathlib import Path
 
+from rlcore import RlcoreWarning
 from rlcore.rewards import REWARD_KEYWORDS
 from rlcore.tasks import train_eval_split
 
@@ -205,7 +207,8 @@ def load_examples(data) -> tuple[list[dict], list[dict]]:
 
     Synthetic tasks: `tasks.train_eval_split`. JSONL: `data.eval_path` when given (a file other than
     `data.path`), else the first `num_eval` rows of `data.path` after a shuffle seeded by `data.seed`;
-    then at most `num_train` training rows (0 = all).
+    then at most `num_train` training rows (0 = all). Eval prompts that are also training prompts (the
+    same text in both files, or twice in data.path) are a warning.
     """
     if data.task != "jsonl":  # a synthetic task (an unknown name is an error naming tasks.TASKS)
         return train_eval_split(data.task, data.num_train, data.num_eval, data.seed)
@@ -225,7 +228,14 @@ def load_examples(data) -> tuple[list[dict], list[dict]]:
             raise DataError(f"{data.path} has {len(rows)} examples, so data.num_eval = "
                             f"{data.num_eval} leaves none to train on; lower data.num_eval or set data.eval_path")
         evals, rows = rows[:data.num_eval], rows[data.num_eval:]
-    return (rows[:data.num_train] if data.num_train else rows), evals
+    train = rows[:data.num_train] if data.num_train else rows
+    trained = {json.dumps(ex["prompt"], sort_keys=True) for ex in train}  # as text: a list of messages is unhashable
+    shared = [ex.source for ex in evals if json.dumps(ex["prompt"], sort_keys=True) in trained]
+    if shared:
+        warnings.warn(f"{len(shared)} of the {len(evals)} eval prompts are also training prompts (first: {shared[0]}), "
+                      f"so held-out accuracy is partly measured on training prompts; drop them from "
+                      f"{data.eval_path or data.path}", RlcoreWarning, stacklevel=2)
+    return train, evals
 
 
 def format_prompt(example: dict, tokenizer, system_prompt: str | None = None,

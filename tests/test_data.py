@@ -5,11 +5,13 @@ import io
 import json
 import re
 import string
+import warnings
 import zipfile
 from pathlib import Path
 
 import pytest
 
+from rlcore import RlcoreWarning
 from rlcore.config import DataArgs
 from rlcore.data import DataError, encode_prompts, final_answer, format_prompt, load_examples, load_jsonl
 
@@ -309,6 +311,29 @@ def test_an_eval_file_without_a_column_of_data_path_says_the_files_columns_diffe
     assert f"set data.{column}_column" not in str(error.value)  # was the advice, which breaks data.path
 
 
+def test_eval_prompts_that_are_also_training_prompts_warn_with_the_first_line(tmp_path):
+    path = write_jsonl(tmp_path, [{"prompt": f"q{i}", "answer": str(i)} for i in range(10)])
+    eval_path = write_jsonl(tmp_path, [{"prompt": "new", "answer": "0"}, {"prompt": "q3", "answer": "3"}], "eval.jsonl")
+    with pytest.warns(RlcoreWarning, match=rf"1 of the 2 eval prompts are also training prompts \(first: "
+                                           rf"{re.escape(eval_path)}:2\), so held-out accuracy is partly measured on "
+                                           rf"training prompts; drop them from {re.escape(eval_path)}"):
+        load_examples(DataArgs(task="jsonl", path=path, eval_path=eval_path))
+
+
+def test_a_prompt_held_out_of_data_path_that_it_also_trains_on_warns(tmp_path):
+    path = write_jsonl(tmp_path, [{"prompt": "the same", "answer": str(i)} for i in range(20)])
+    with pytest.warns(RlcoreWarning, match=rf"5 of the 5 eval prompts are also training prompts .*; drop them from "
+                                           rf"{re.escape(path)}"):
+        load_examples(DataArgs(task="jsonl", path=path, num_eval=5))
+
+
+def test_distinct_eval_and_training_prompts_do_not_warn(tmp_path):
+    path = write_jsonl(tmp_path, [{"prompt": f"q{i}", "answer": str(i)} for i in range(20)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_examples(DataArgs(task="jsonl", path=path, num_eval=5))
+
+
 def test_jsonl_too_small_for_num_eval_is_an_error(tmp_path):
     path = write_jsonl(tmp_path, [{"prompt": "q", "answer": "1"}] * 3)
     with pytest.raises(DataError, match=r"has 3 examples, so data\.num_eval = 32 leaves none to train on"):
@@ -439,7 +464,7 @@ def test_a_synthetic_prompt_over_max_prompt_length_is_named_by_index_and_text(ch
 
 
 def test_a_jsonl_prompt_over_max_prompt_length_is_named_by_file_and_line(tmp_path, char_tokenizer):
-    rows = [{"prompt": "x" * (800 if i == 19 else 5), "answer": "1"} for i in range(40)]
+    rows = [{"prompt": "x" * 800 if i == 19 else f"q{i}", "answer": "1"} for i in range(40)]
     train, _ = load_examples(DataArgs(task="jsonl", path=write_jsonl(tmp_path, rows, "huge.jsonl"), num_eval=4))
     with pytest.raises(DataError, match=r"huge\.jsonl:20: prompt is 800 tokens after formatting, over "
                                         r"data\.max_prompt_length = 512; raise"):  # was: "example 29 (prompt ...)"
