@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import string
+import tempfile
 from pathlib import Path
 
 import torch
@@ -77,38 +78,39 @@ def build_embedded_model(path: str | Path, examples: list[dict], *, noise: float
     print(f"building the embedded default model at {path} (first run only)", flush=True)
     from rlcore.tokenizer import Tokenizer
 
-    # Per process, then renamed into place: builds on machines that share a cache do not collide.
-    tmp = path.with_name(f"{path.name}.build-{os.getpid()}")
-    out = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    write_char_tokenizer(tmp)
-    tok = Tokenizer.from_dir(tmp)
-    torch.manual_seed(seed)
-    model = Transformer(ModelConfig.from_hf(ARCH))
-    model.apply(init_weights)
-    n_bug = round(noise * DEMOS_PER_PROBLEM)
-    prompts = [tok.encode(ex["prompt"]) for ex in examples for _ in range(DEMOS_PER_PROBLEM)]
-    answers = [buggy(ex["answer"]) if i < n_bug else ex["answer"]
-               for ex in examples for i in range(DEMOS_PER_PROBLEM)]
-    completions = [tok.encode(a) + [tok.eos_token_id] for a in answers]
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads or before)
+    # In a directory of this process's own, then renamed into place: builds on machines that share a
+    # cache do not collide, and one that fails or is interrupted (Ctrl-C) removes only its own files.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{path.name}.build-{os.getpid()}-", dir=path.parent))
     try:
-        sft(model, prompts, completions, pad_id=tok.pad_token_id, steps=steps,
-            batch_size=batch_size, lr=lr, seed=seed, log_every=100)
+        write_char_tokenizer(tmp)
+        tok = Tokenizer.from_dir(tmp)
+        torch.manual_seed(seed)
+        model = Transformer(ModelConfig.from_hf(ARCH))
+        model.apply(init_weights)
+        n_bug = round(noise * DEMOS_PER_PROBLEM)
+        prompts = [tok.encode(ex["prompt"]) for ex in examples for _ in range(DEMOS_PER_PROBLEM)]
+        answers = [buggy(ex["answer"]) if i < n_bug else ex["answer"]
+                   for ex in examples for i in range(DEMOS_PER_PROBLEM)]
+        completions = [tok.encode(a) + [tok.eos_token_id] for a in answers]
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads or before)
+        try:
+            sft(model, prompts, completions, pad_id=tok.pad_token_id, steps=steps,
+                batch_size=batch_size, lr=lr, seed=seed, log_every=100)
+        finally:
+            torch.set_num_threads(before)
+        files = {n: tmp / n for n in ("tokenizer.json", "tokenizer_config.json", "generation_config.json")}
+        save_model(model, tmp / "model", extra_files=files)
+        if path.is_dir() and not (path / "model.safetensors").is_file():
+            shutil.rmtree(path, ignore_errors=True)  # a build an older rlcore left unfinished in place
+        try:
+            os.rename(tmp / "model", path)
+        except OSError:  # another process finished first: keep its build
+            if not (path / "model.safetensors").is_file():
+                raise
     finally:
-        torch.set_num_threads(before)
-    files = {n: tmp / n for n in ("tokenizer.json", "tokenizer_config.json", "generation_config.json")}
-    save_model(model, out, extra_files=files)
-    shutil.rmtree(tmp)
-    if path.is_dir() and not (path / "model.safetensors").is_file():
-        shutil.rmtree(path, ignore_errors=True)  # a build an older rlcore left unfinished in place
-    try:
-        os.rename(out, path)
-    except OSError:  # another process finished first: keep its build
-        if not (path / "model.safetensors").is_file():
-            raise
-        shutil.rmtree(out)
+        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
