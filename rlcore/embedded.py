@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import string
 import tempfile
+import tomllib
 from pathlib import Path
 
 import torch
 
+from rlcore import EMBEDDED_DEFAULT
 from rlcore.checkpoint import save_model
 from rlcore.model import ModelConfig, Transformer
 from rlcore.sft import sft
@@ -112,6 +115,27 @@ def build_embedded_model(path: str | Path, examples: list[dict], *, noise: float
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def why_a_model_of_its_own(cache: Path, seed: int, num_eval: int) -> str | None:
+    """Why a run with `data.seed` / `data.num_eval` builds an embedded model while `cache` holds another,
+    and which values reuse that one (the default's where it is there). None when the cache holds none or
+    this one, or the run has the default's values: its first run, as the build line says."""
+    built = {(int(m[1]), int(m[2]))  # finished models, named as train.embedded_model_dir names them
+             for p in cache.glob("embedded-arithmetic-v2-*/model.safetensors")
+             if (m := re.fullmatch(r"embedded-arithmetic-v2-seed(\d+)-eval(\d+)", p.parent.name))}
+    with open(EMBEDDED_DEFAULT, "rb") as f:
+        data = tomllib.load(f)["data"]
+    default = (data["seed"], data["num_eval"])
+    if not built or (seed, num_eval) in built or (seed, num_eval) == default:
+        return None
+    cached = default if default in built else min(built)
+    keys = [(key, new, old) for key, new, old in zip(("data.seed", "data.num_eval"), (seed, num_eval), cached)
+            if new != old]
+    return (f"with {' and '.join(f'{key} = {new}' for key, new, _ in keys)} the run needs an embedded model of its "
+            f"own: the model never trains on the problems that data.seed and data.num_eval hold out (its SFT takes "
+            f"about 1-2 minutes, once); keep {' and '.join(f'{key} = {old}' for key, _, old in keys)} to reuse the "
+            f"cached one")
 
 
 def init_weights(m: torch.nn.Module) -> None:

@@ -37,7 +37,7 @@ from rlcore.checkpoint import (RUN_CONFIG_HEADER, CheckpointError, check_model_d
 from rlcore.config import Config, dump_config, embedded_model_name, recorded_model, with_absolute_paths
 from rlcore import RlcoreWarning, distributed
 from rlcore.data import encode_prompts, load_examples
-from rlcore.embedded import build_embedded_model
+from rlcore.embedded import build_embedded_model, why_a_model_of_its_own
 from rlcore.losses.advantages import check_reward_funcs, compute_advantages, score_completions
 from rlcore.losses.aggregate import aggregate_loss
 from rlcore.losses.entropy import EntropyBonus
@@ -200,6 +200,8 @@ def embedded_model_dir(cfg: Config, rank: int = 0, world: int = 1) -> Path:
     local = int(os.environ.get("LOCAL_RANK", rank))  # torchrun: the rank on this machine (its cache may be its own)
     if local != 0:
         distributed.barrier(world)
+    elif why := why_a_model_of_its_own(cache, d.seed, d.num_eval):
+        print(why, flush=True)
     path = build_embedded_model(where, pool)
     if local == 0:
         distributed.barrier(world)
