@@ -18,8 +18,8 @@ import os
 import re
 import shutil
 import string
+import sys
 import tempfile
-import tomllib
 from pathlib import Path
 
 import torch
@@ -28,6 +28,11 @@ from rlcore import EMBEDDED_DEFAULT
 from rlcore.checkpoint import save_model
 from rlcore.model import ModelConfig, Transformer
 from rlcore.sft import sft
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10
+    import tomli as tomllib
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 DEMOS_PER_PROBLEM = 5
@@ -117,13 +122,19 @@ def build_embedded_model(path: str | Path, examples: list[dict], *, noise: float
     return path
 
 
+def cache_dir_name(seed, num_eval) -> str:
+    """The cache directory name of the embedded model for `data.seed` / `data.num_eval` (the held-out
+    problems it must never train on); also a glob or regex pattern when given "*" or groups."""
+    return f"embedded-arithmetic-v2-seed{seed}-eval{num_eval}"
+
+
 def why_a_model_of_its_own(cache: Path, seed: int, num_eval: int) -> str | None:
     """Why a run with `data.seed` / `data.num_eval` builds an embedded model while `cache` holds another,
     and which values reuse that one (the default's where it is there). None when the cache holds none or
     this one, or the run has the default's values: its first run, as the build line says."""
-    built = {(int(m[1]), int(m[2]))  # finished models, named as train.embedded_model_dir names them
-             for p in cache.glob("embedded-arithmetic-v2-*/model.safetensors")
-             if (m := re.fullmatch(r"embedded-arithmetic-v2-seed(\d+)-eval(\d+)", p.parent.name))}
+    built = {(int(m[1]), int(m[2]))  # finished models
+             for p in cache.glob(cache_dir_name("*", "*") + "/model.safetensors")
+             if (m := re.fullmatch(cache_dir_name(r"(\d+)", r"(\d+)"), p.parent.name))}
     with open(EMBEDDED_DEFAULT, "rb") as f:
         data = tomllib.load(f)["data"]
     default = (data["seed"], data["num_eval"])

@@ -37,7 +37,7 @@ from rlcore.checkpoint import (RUN_CONFIG_HEADER, CheckpointError, check_model_d
 from rlcore.config import Config, dump_config, embedded_model_name, recorded_model, with_absolute_paths
 from rlcore import RlcoreWarning, distributed
 from rlcore.data import encode_prompts, load_examples
-from rlcore.embedded import build_embedded_model, why_a_model_of_its_own
+from rlcore.embedded import build_embedded_model, cache_dir_name, why_a_model_of_its_own
 from rlcore.losses.advantages import check_reward_funcs, compute_advantages, score_completions
 from rlcore.losses.aggregate import aggregate_loss
 from rlcore.losses.entropy import EntropyBonus
@@ -191,7 +191,7 @@ def embedded_model_dir(cfg: Config, rank: int = 0, world: int = 1) -> Path:
     """
     d = cfg.data
     cache = Path(os.environ.get("RLCORE_CACHE", Path.home() / ".cache" / "rlcore"))
-    where = cache / f"embedded-arithmetic-v2-seed{d.seed}-eval{d.num_eval}"
+    where = cache / cache_dir_name(d.seed, d.num_eval)
     if d.task != "arithmetic":
         raise ValueError(f"the embedded model is built for data.task = 'arithmetic', not {d.task!r}; set model.path "
                          f"to a Hugging Face checkpoint directory for other tasks (the embedded model, once built, is "

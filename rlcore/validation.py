@@ -175,15 +175,15 @@ def validate(config: Config, world_size: int = 1) -> None:
         need("accuracy" not in lo.reward_funcs,
              f"loss.reward_funcs = {lo.reward_funcs} has 'accuracy', which compares each completion with its row's "
              f"reference answer, but data.answer_column = '' reads none, so every score would be None and no step "
-             f"would learn; name the answer column (--set data.answer_column=answer) or score with your own "
-             f"reward function ('module:function')")
+             "would learn; name the answer column (--set data.answer_column=answer) or score with your own "
+             "reward function ('module:function')")
         if d.num_eval:
-            warnings.warn(f"data.answer_column = '': held-out accuracy compares completions with reference answers "
-                          f"and there are none, so it reads 0.000 throughout; set data.num_eval = 0 to skip it",
+            warnings.warn("data.answer_column = '': held-out accuracy compares completions with reference answers "
+                          "and there are none, so it reads 0.000 throughout; set data.num_eval = 0 to skip it",
                           RlcoreWarning, stacklevel=2)
     if config.model.ref_path and lo.beta == 0:
         warnings.warn(f"model.ref_path = {config.model.ref_path!r} is read only when loss.beta != 0, and it is 0.0: "
-                      f"no reference model and no KL term; set loss.beta (e.g. 0.04) or remove model.ref_path",
+                      "no reference model and no KL term; set loss.beta (e.g. 0.04) or remove model.ref_path",
                       RlcoreWarning, stacklevel=2)
     if config.model.dtype == "bfloat16":
         warn_bf16_weights(config, "model.dtype = 'bfloat16'")
