@@ -419,11 +419,14 @@ def latest_checkpoint(run: Path) -> Path:
     ptr = run / "latest"
     if not ptr.is_file():
         raise FileNotFoundError(f"{run}: no `latest` file; nothing to resume (was a checkpoint saved?)")
-    ck = run / ptr.read_text().strip()
-    if not (ck / "trainer_state.pt").is_file():
+    name = ptr.read_text().strip()
+    ck = run / name
+    if not name or not (ck / "trainer_state.pt").is_file():
         others = checkpoints(run)
         fix = (f"; the run directory keeps {others[-1].name}: write its name into {ptr} to resume from it"
                if others else "")
+        if not name:
+            raise FileNotFoundError(f"{ptr} is empty: it names no checkpoint" + fix)
         raise FileNotFoundError(f"{ck}: checkpoint named by {ptr} is " +
                                 ("incomplete (no trainer_state.pt)" if ck.is_dir() else "missing") + fix)
     return ck
@@ -433,10 +436,21 @@ def load_trainer_state(ck: Path) -> dict:
     """The optimizer, schedule, RNG and data-position state saved with checkpoint `ck`."""
     file = ck / "trainer_state.pt"
     try:
-        return torch.load(file, weights_only=False)
+        state = torch.load(file, weights_only=False)
     except Exception as e:  # a damaged file fails inside pickle or zipfile, with no file name
         raise ValueError(f"{file} cannot be read ({type(e).__name__}: {e}); the checkpoint is damaged"
                          f"{way_back(ck)}") from e
+    missing = [key for key in TRAINER_STATE_KEYS if key not in state] if isinstance(state, dict) else TRAINER_STATE_KEYS
+    if missing:
+        raise ValueError(f"{file} is not an rlcore trainer state: it lacks {', '.join(missing)}; rlcore resumes only "
+                         f"the runs it wrote. To start from this checkpoint's weights, begin a new run with "
+                         f"--set model.path={ck / 'model' if (ck / 'model').is_dir() else ck}")
+    return state
+
+
+TRAINER_STATE_KEYS = ("optimizer", "scheduler", "sampler_rng", "shuffler_rng", "torch_rng", "step", "data_pos",
+                      "nonfinite_total", "before")
+"""What every rlcore trainer_state.pt holds (train() writes more; later versions' additions are read with .get)."""
 
 
 def way_back(ck: Path) -> str:

@@ -76,6 +76,24 @@ def plain_warnings(message, category, filename, lineno, file=None, line=None, *,
     _default(message, category, filename, lineno, file, line)
 
 
+def no_latest_hint(run: Path) -> str:
+    """What a --resume directory without a `latest` file is instead: one of rlcore's checkpoints, a
+    run that stopped before its first save, or a transformers Trainer's (TRL's) output."""
+    if (run / "trainer_state.pt").is_file():  # a checkpoint, as the Trainer's resume_from_checkpoint takes
+        return (f"; it is a checkpoint: --resume takes its run directory, --resume {run.parent} (which "
+                f"continues from the checkpoint its `latest` names)")
+    trainer = sorted((p.parent for p in run.glob("checkpoint-*/trainer_state.json")),
+                     key=lambda p: int(p.name.rpartition("-")[2]) if p.name.rpartition("-")[2].isdigit() else -1)
+    if (run / "trainer_state.json").is_file() or trainer:
+        weights = run if (run / "trainer_state.json").is_file() else trainer[-1]
+        return (f"; it is a transformers Trainer's (TRL's) output, and rlcore resumes only the runs it wrote: to "
+                f"start a new run from its weights, --set model.path={weights}")
+    if (run / "config.toml").is_file():
+        return ("; the run stopped before its first checkpoint (one is written every train.save_steps steps and at "
+                f"the end), so it starts over: rlcore train {run / 'config.toml'}")
+    return ""
+
+
 def unknown_argument_hint(unknown: list[str], argv: list[str] | None) -> str:
     """What to write instead of a flag rlcore does not take, as TRL's and transformers' scripts
     take them (`--config`, `--max_steps 5`, `--resume_from_checkpoint`)."""
@@ -179,17 +197,16 @@ def run_command(argv: list[str] | None = None) -> int:
         report(f"rlcore: error: --resume {run}: no such run directory")
         return 1
     if args.resume and not (run / "latest").is_file():
-        hint = ""
-        if (run / "trainer_state.pt").is_file():  # a checkpoint, as the Trainer's resume_from_checkpoint takes
-            hint = (f"; it is a checkpoint: --resume takes its run directory, --resume {run.parent} (which "
-                    f"continues from the checkpoint its `latest` names)")
-        report(f"rlcore: error: --resume {run}: no checkpoint there (no `latest` file){hint}")
+        report(f"rlcore: error: --resume {run}: no checkpoint there (no `latest` file){no_latest_hint(run)}")
         return 1
     t0 = time.time()
     try:
         result = train(cfg, resume=args.resume)
     except RewardFunctionError as e:  # the user's function failed: its own frames, not rlcore's
-        report(f"rlcore: error: {e}\n{e.trace}".rstrip("\n"), e)
+        kept = (run / "latest").read_text().strip() if (run / "latest").is_file() else None
+        after = (f"{run} keeps {kept}: once the function is fixed, continue with {resume_command(run, world)}" if kept
+                 else "no checkpoint was written yet (train.save_steps), so a run started again starts over")
+        report(f"rlcore: error: {e}\n{e.trace}".rstrip("\n") + f"\nrlcore: {after}", e)
         return 1
     except (ValueError, TypeError, OSError, FloatingPointError) as e:
         # Bad input (checkpoint, data, reward function output, run directory) or a diverged run:
@@ -201,7 +218,8 @@ def run_command(argv: list[str] | None = None) -> int:
             return 130
         kept = (run / "latest").read_text().strip() if (run / "latest").is_file() else None
         print("\nrlcore: interrupted; " + (f"{run} keeps {kept}: continue with {resume_command(run, world)}" if kept
-              else "no checkpoint was written yet (train.save_steps), so a new run starts over"), file=sys.stderr)
+              else "no checkpoint was written yet, so there is nothing to resume: run the command again to start "
+                   "over"), file=sys.stderr)
         return 130
     finally:
         distributed.close()  # under torchrun: before exit, not in the interpreter's teardown

@@ -347,5 +347,20 @@ def test_latest_naming_a_missing_checkpoint_says_missing_and_names_the_one_kept(
     with pytest.raises(FileNotFoundError, match=r"is incomplete \(no trainer_state\.pt\); the run directory keeps "
                                                 r"checkpoint-10"):
         latest_checkpoint(tmp_path)
+    (tmp_path / "latest").write_text("\n")
+    with pytest.raises(FileNotFoundError, match=r"latest is empty: it names no checkpoint; the run directory keeps "
+                                                r"checkpoint-10"):
+        latest_checkpoint(tmp_path)
     (tmp_path / "latest").write_text("checkpoint-10")
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-10"
+
+
+def test_a_trainer_state_rlcore_did_not_write_is_named_with_the_keys_it_lacks(tmp_path):
+    from rlcore.checkpoint import load_trainer_state
+
+    ck = tmp_path / "checkpoint-2"
+    (ck / "model").mkdir(parents=True)
+    torch.save({"global_step": 2}, ck / "trainer_state.pt")  # another trainer's, or another version's
+    with pytest.raises(ValueError, match=rf"trainer_state\.pt is not an rlcore trainer state: it lacks optimizer, "
+                                         rf"scheduler, sampler_rng, .*--set model\.path={ck / 'model'}$"):
+        load_trainer_state(ck)

@@ -402,6 +402,44 @@ def test_a_diverged_run_is_an_error_not_a_traceback(tmp_path, capsys):
     assert "rlcore: error: the model's logits are not finite (NaN or inf) after the prompts" in capsys.readouterr().err
 
 
+def test_a_run_that_failed_before_its_first_checkpoint_says_how_to_start_over(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(cli_args(run, "train.max_steps=1", "loss.reward_funcs=['test_train:explode']")) == 1
+    assert "rlcore: no checkpoint was written yet (train.save_steps), so a run started again starts over" \
+        in capsys.readouterr().err
+    assert main(["train", "--resume", str(run)]) == 1
+    assert (f"--resume {run}: no checkpoint there (no `latest` file); the run stopped before its first checkpoint "
+            f"(one is written every train.save_steps steps and at the end), so it starts over: rlcore train "
+            f"{run / 'config.toml'}") in capsys.readouterr().err
+    assert main(["train", str(run / "config.toml"), "--set", "loss.reward_funcs=['test_train:first_digit']"]) == 0
+    assert [r["step"] for r in rows(run)] == [1]
+
+
+def fails_from_step_2(prompts, completions, trainer_state, **columns):
+    if trainer_state.global_step >= 1:
+        raise TimeoutError("the judge timed out")
+    return [float(c[:1] == "1") for c in completions]
+
+
+def test_a_reward_function_failing_after_a_checkpoint_says_how_to_continue(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(cli_args(run, "train.max_steps=3", "train.save_steps=1",
+                         f"loss.reward_funcs=['{__name__}:fails_from_step_2']")) == 1
+    assert f"rlcore: {run} keeps checkpoint-1: once the function is fixed, continue with rlcore train --resume {run}" \
+        in capsys.readouterr().err
+
+
+def test_resume_of_a_trainer_output_directory_names_it_and_how_to_start_from_its_weights(tmp_path, capsys):
+    for step in (50, 500, 100):  # TRL's GRPOTrainer output: checkpoint-<step>/ with trainer_state.json
+        (tmp_path / "out" / f"checkpoint-{step}").mkdir(parents=True)
+        (tmp_path / "out" / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    for where, start in ((tmp_path / "out", tmp_path / "out" / "checkpoint-500"),
+                           (tmp_path / "out" / "checkpoint-100", tmp_path / "out" / "checkpoint-100")):
+        assert main(["train", "--resume", str(where)]) == 1
+        assert (f"it is a transformers Trainer's (TRL's) output, and rlcore resumes only the runs it wrote: to start "
+                f"a new run from its start, --set model.path={start}") in capsys.readouterr().err
+
+
 def test_resume_names_the_runs_config_when_it_is_wrong_and_survives_a_deleted_metrics_file(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(cli_args(run, "train.max_steps=1")) == 0
