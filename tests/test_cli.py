@@ -434,10 +434,10 @@ def test_resume_of_a_trainer_output_directory_names_it_and_how_to_start_from_its
         (tmp_path / "out" / f"checkpoint-{step}").mkdir(parents=True)
         (tmp_path / "out" / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
     for where, start in ((tmp_path / "out", tmp_path / "out" / "checkpoint-500"),
-                           (tmp_path / "out" / "checkpoint-100", tmp_path / "out" / "checkpoint-100")):
+                        (tmp_path / "out" / "checkpoint-100", tmp_path / "out" / "checkpoint-100")):
         assert main(["train", "--resume", str(where)]) == 1
         assert (f"it is a transformers Trainer's (TRL's) output, and rlcore resumes only the runs it wrote: to start "
-                f"a new run from its start, --set model.path={start}") in capsys.readouterr().err
+                f"a new run from its weights, --set model.path={start}") in capsys.readouterr().err
 
 
 def test_resume_names_the_runs_config_when_it_is_wrong_and_survives_a_deleted_metrics_file(tmp_path, capsys):
