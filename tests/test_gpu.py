@@ -161,12 +161,13 @@ def test_the_shipped_gsm8k_config_trains_on_the_gpu(tmp_path):
         num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
     hf.save_pretrained(path)
-    data = tmp_path / "gsm8k.jsonl"
-    data.write_text("".join(json.dumps({"question": f"What is {a} plus {b}?", "answer": f"#### {a + b}"}) + "\n"
-                            for a in range(8) for b in range(8)))
+    data, held_out = tmp_path / "gsm8k.jsonl", tmp_path / "gsm8k_test.jsonl"
+    for f, first in ((data, range(8)), (held_out, range(8, 10))):
+        f.write_text("".join(json.dumps({"question": f"What is {a} plus {b}?", "answer": f"#### {a + b}"}) + "\n"
+                             for a in first for b in range(8)))
     run = tmp_path / "run"
     config_file = Path(__file__).parent.parent / "configs" / "qwen2.5-0.5b-gsm8k.toml"
-    cfg = load_config(str(config_file), [f"model.path={path}", f"data.path={data}", f"data.eval_path={data}",
+    cfg = load_config(str(config_file), [f"model.path={path}", f"data.path={data}", f"data.eval_path={held_out}",
                                          "data.num_eval=16", "train.max_steps=2", f"train.output_dir={run}"])
     assert (cfg.train.device, cfg.train.bf16, cfg.rollout.max_completion_length) == ("cuda", True, 512)
     train(cfg)

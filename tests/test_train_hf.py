@@ -42,9 +42,18 @@ def qwen_dir(tmp_path):
 
 @pytest.fixture
 def gsm8k_file(tmp_path):
-    f = tmp_path / "gsm8k.jsonl"
+    return write_gsm8k(tmp_path / "gsm8k.jsonl", range(6))
+
+
+@pytest.fixture
+def gsm8k_eval_file(tmp_path):
+    """Other problems than gsm8k_file's: an eval file that is the training file is an error."""
+    return write_gsm8k(tmp_path / "gsm8k_test.jsonl", range(6, 8))
+
+
+def write_gsm8k(f, first_numbers):
     rows = [{"question": f"What is {a} plus {b}?", "answer": f"{a} and {b} make {a + b}.\n#### {a + b}"}
-            for a in range(6) for b in range(4)]
+            for a in first_numbers for b in range(4)]
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return f
 
@@ -98,12 +107,12 @@ def test_loop_trains_an_hf_checkpoint_and_writes_one_transformers_loads(qwen_dir
         hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
-def test_the_shipped_gsm8k_config_trains_a_step(qwen_dir, gsm8k_file, tmp_path):
+def test_the_shipped_gsm8k_config_trains_a_step(qwen_dir, gsm8k_file, gsm8k_eval_file, tmp_path):
     """configs/qwen2.5-0.5b-gsm8k.toml as shipped (columns, system prompt, chat template, rewards,
     bf16, batch sizes), with what a user passes and what a CPU needs: device, one step, short outputs."""
     run = tmp_path / "run"
     cfg = load_config(str(GSM8K_CONFIG), [
-        f"model.path={qwen_dir}", f"data.path={gsm8k_file}", f"data.eval_path={gsm8k_file}", "train.device=cpu",
+        f"model.path={qwen_dir}", f"data.path={gsm8k_file}", f"data.eval_path={gsm8k_eval_file}", "train.device=cpu",
         "train.max_steps=1", "rollout.max_completion_length=8", "train.eval_max_completion_length=8",
         f"train.output_dir={run}"])
     assert (cfg.train.bf16, cfg.data.use_chat_template, cfg.loss.reward_funcs) == (True, True, ["accuracy", "format"])
@@ -311,13 +320,14 @@ def test_num_train_epochs_gives_the_steps_trl_trains_for(prompts, b, ga, spg, mu
 TRL_STYLE_CONFIG = Path(__file__).parent.parent / "configs" / "trl-style-grpo.toml"
 
 
-def test_the_shipped_trl_style_recipe_loads_unchanged_and_trains(qwen_dir, gsm8k_file, tmp_path):
+def test_the_shipped_trl_style_recipe_loads_unchanged_and_trains(qwen_dir, gsm8k_file, gsm8k_eval_file,
+                                                                  tmp_path):
     """configs/trl-style-grpo.toml is flat TRL GRPOConfig keys: each lands in its rlcore option,
     the TRL-only ones are dropped with a warning naming them, and the loop runs it."""
     run = tmp_path / "run"
     with pytest.warns(UserWarning) as caught:
         cfg = load_config(str(TRL_STYLE_CONFIG), [
-            f"model.path={qwen_dir}", f"data.path={gsm8k_file}", f"data.eval_path={gsm8k_file}",
+            f"model.path={qwen_dir}", f"data.path={gsm8k_file}", f"data.eval_path={gsm8k_eval_file}",
             "data.prompt_column=question", "train.device=cpu", "train.bf16=false", "train.max_steps=2",
             "train.gradient_accumulation_steps=1", "rollout.max_completion_length=8", f"train.output_dir={run}"])
     dropped = {str(w.message).split(" = ")[0].removeprefix("TRL's ") for w in caught}
