@@ -314,7 +314,8 @@ def load_reward_func(name: str) -> RewardFunc:
                          f"score the completions: create an instance at module level in {module_name} "
                          f"(reward = {attr}()) and name that instance ('{module_name}:reward')")
     if not callable(fn):
-        raise ValueError(f"loss.reward_funcs entry {name!r} is a {type(fn).__name__}, not a function")
+        raise ValueError(f"loss.reward_funcs entry {name!r} is not a function but {fn!r:.60} "
+                         f"(type {type(fn).__name__}); name a function defined in {module_name}")
     return fn
 
 

@@ -173,6 +173,11 @@ FOREIGN = {
     "train_batch_size": "verl's prompts per step; rlcore's round is train.per_device_train_batch_size x "
                         "train.steps_per_generation completions, / rollout.num_generations prompts",
     "max_response_length": "verl's; rlcore's is rollout.max_completion_length",
+    "loss_agg_mode": "verl's; rlcore's is loss.loss_type: token-mean -> 'dapo', seq-mean-token-mean -> 'grpo', "
+                     "seq-mean-token-sum-norm -> 'dr_grpo'",
+    "kl_loss_coef": "verl's; rlcore's is loss.beta", "ppo_epochs": "verl's; rlcore's is loss.num_iterations",
+    "clip_ratio_low": "verl's; rlcore's is loss.epsilon", "clip_ratio_high": "verl's; rlcore's is loss.epsilon_high",
+    "clip_ratio_c": "verl's dual-clip bound; rlcore's is loss.delta",
     "load_in_4bit": NO_QUANT, "load_in_8bit": NO_QUANT, "full_finetuning": "rlcore always trains every weight",
     "lora_rank": NO_LORA, "lora_r": NO_LORA, "lora_alpha": NO_LORA, "lora_dropout": NO_LORA,
     "target_modules": NO_LORA, "use_peft": NO_LORA, "lora_target_modules": NO_LORA,

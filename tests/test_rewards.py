@@ -203,6 +203,14 @@ def test_get_reward_funcs_rejects_a_class_and_says_to_name_an_instance(tmp_path,
         get_reward_funcs(["class_reward_rejected:ClassReward"])
 
 
+def test_a_name_that_is_not_callable_is_named_with_its_value(tmp_path, monkeypatch):
+    (tmp_path / "constant_reward.py").write_text("SCALE = 5\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"'constant_reward:SCALE' is not a function but 5 \(type int\); name a "
+                                         r"function defined in constant_reward$"):
+        get_reward_funcs(["constant_reward:SCALE"])
+
+
 def test_an_instance_with_call_is_a_reward_function(tmp_path, monkeypatch):
     (tmp_path / "class_reward_instance.py").write_text(CLASS_REWARD)
     monkeypatch.syspath_prepend(str(tmp_path))
