@@ -43,3 +43,24 @@ def test_readme_tour_steps_are_train_py_numbered_comments_in_order():
     comments = dict(re.findall(r"^\s+# (\d)\. (.*)$", (ROOT / "rlcore" / "train.py").read_text(), re.M))
     for n, title in steps:
         assert title.split()[0].strip("/").lower() in comments[n].lower(), (n, title, comments[n])
+
+
+def test_every_readme_table_has_a_header_and_rows_of_its_width():
+    """A Markdown table is a header row, a |---| row, then rows with as many cells; a line pasted
+    into a table (or a row missing its first cell) breaks how it renders from there on."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    k = 0
+    while k < len(lines):
+        if not lines[k].startswith("|"):
+            assert not (lines[k].rstrip().endswith("|") and " | " in lines[k]), \
+                f"README.md:{k + 1} looks like a table row without its first cell: {lines[k][:80]}"
+            k += 1
+            continue
+        width = lines[k].count(" | ")
+        assert k + 1 < len(lines) and set(lines[k + 1].replace("|", "")) <= set("-: "), \
+            f"README.md:{k + 1} starts a table with no |---| row under it: {lines[k][:80]}"
+        k += 2
+        while k < len(lines) and lines[k].startswith("|"):
+            cells = lines[k].replace("\\|", "").split(" | ")
+            assert len(cells) - 1 == width, f"README.md:{k + 1} has {len(cells)} cells, its table {width + 1}"
+            k += 1
