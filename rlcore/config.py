@@ -6,14 +6,15 @@ that has it. Each field's docstring is the string on the line after it; `field_d
 back, so the README's table and `rlcore options` come from this file.
 
 Precedence: dataclass defaults < TOML file < `--set section.key=value`, applied in order. A
-config file that names no model (model.path unset or "", in the file and the `--set` values)
-trains the embedded tiny model, so its unset keys come from the embedded default run
+config file that names no model (model.path unset, "" or "embedded", in the file and the `--set`
+values) trains the embedded tiny model, so its unset keys come from the embedded default run
 (rlcore/default.toml), not from the dataclass defaults (which are TRL's, for real models).
 
 Defaults that depend on another field are filled in when the config is built (as TRL does in
 `__post_init__`): `train.steps_per_generation` (= GA), `loss.epsilon_high` (= epsilon),
 `rollout.seed` (= train.seed), `train.eval_max_completion_length` (= max_completion_length).
-This file checks each key and its type; rlcore/validation.py checks the values and how they combine.
+This file checks each key and its type (and the TRL aliases that would set one value twice);
+rlcore/validation.py checks the values and how they combine.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class DataArgs:
     path: str | None = None
     """JSONL file with one example per line (task "jsonl" only)"""
     eval_path: str | None = None
-    """JSONL file for evaluation (task "jsonl"); None = hold out num_eval rows of data.path"""
+    """JSONL file for evaluation (task "jsonl"), its first num_eval rows; None = num_eval rows held out of data.path"""
     prompt_column: str = "prompt"
     """JSONL column with the prompt: a string, or a list of chat messages (content: text, or a list of text parts)"""
     answer_column: str = "answer"
@@ -397,7 +398,8 @@ def embedded_model_name(seed: int, num_eval: int) -> str:
 
 
 def load_config(path: str | None = None, overrides: list[str] = (), world_size: int = 1) -> Config:
-    """Defaults, then the TOML file at `path` (None: none), then each `section.key=value` override.
+    """Defaults (for a file that names no model, rlcore/default.toml's values), then the TOML file at
+    `path` (None: none), then each `section.key=value` override.
     A layer that sets train.num_train_epochs without train.max_steps sets max_steps = -1 (count epochs).
 
     An override's value is read as a TOML literal (`0.04`, `true`, `["a", "b"]`), and as a bare
@@ -466,7 +468,7 @@ def builds_on_embedded_default(path: str, raw: bytes, file: dict, overrides: dic
     if Path(path).resolve() == EMBEDDED_DEFAULT.resolve() or raw.startswith(RUN_CONFIG_HEADER.encode()):
         return False
     model_path = overrides.get("model", {}).get("path", file.get("model", {}).get("path", ""))
-    return not model_path
+    return model_path in ("", "embedded")
 
 
 def overridden(overrides: list[str], option: str):

@@ -767,6 +767,7 @@ def test_a_config_without_a_model_builds_on_the_embedded_default(tmp_path):
     assert c.base == str(EMBEDDED_DEFAULT) and c.loss.policy_loss == "sapo"
     assert dataclasses.replace(c, loss=embedded.loss) == embedded  # everything else is the default run's
     assert load_config(write(tmp_path, "num_iterations = 2\n[model]\npath = ''\n"), []).train.max_steps == 300
+    assert load_config(write(tmp_path, "[model]\npath = 'embedded'\n"), []).base == str(EMBEDDED_DEFAULT)  # as ""
     t = load_config(write(tmp_path, "num_train_epochs = 2\n"), []).train  # the file counts epochs
     assert (t.max_steps, t.num_train_epochs, t.learning_rate) == (-1, 2.0, 1e-4)
     # A model named in the file or with --set: TRL's defaults under the file, as for any real model.

@@ -24,7 +24,8 @@ def rollout_mismatch(old: Tensor, samp: Tensor, mask: Tensor, tis: Tensor | None
     k3 estimate of KL(samp || old) per token (samples come from the engine); with `tis`, the
     weights from `tis_weights` ([B, T] or [B, 1]), tis/frac_changed: the fraction of valid
     tokens whose weight was truncated or masked (differs from the raw exp(old - samp) ratio).
-    Computed once per round: old and samp do not change during the update.
+    The loop computes it once per round from `old` when it has it (old and samp do not change during
+    the update), and on-policy per micro-batch from the training forward's `logp.detach()`.
     """
     valid = mask.bool()
     log_ratio = (old - samp).where(valid, 0.0)

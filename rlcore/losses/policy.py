@@ -210,7 +210,8 @@ def policy_loss(
     with off_policy_mask_threshold). epsilon_high defaults to epsilon; for cispo it is
     an absolute cap on the ratio (recommended 5.0). use_bias_correction_kl multiplies the KL
     term by the ratio (TRL's option of that name). Option names and risky combinations are
-    checked once by `check_loss_options`, not per micro-batch.
+    checked once, by `check_loss_options` for direct callers and by `rlcore.validation.validate`
+    in the training loop, not per micro-batch.
     Metrics (detached 0-dim masked means over valid tokens, plus `tokens`, the count):
     clip_ratio/low, /high, /region (ppo: tokens where clipping removed the gradient; cispo:
     only /high, ratio above the cap), delta_bound (tokens whose loss is -delta * A),
