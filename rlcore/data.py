@@ -137,6 +137,9 @@ def _example(row: dict, where: str, prompt_column: str, answer_column: str | Non
         raise DataError(f"{where}: column {clash!r} has the name of a keyword rlcore passes to reward functions itself "
                         f"({', '.join(REWARD_KEYWORDS)}), so they would get it twice; rename the column"
                         + (f" and set {option} to the new name" if option else ""))
+    if "prompt_ids" in row:
+        raise DataError(f"{where}: column 'prompt_ids' is where rlcore keeps each prompt's token ids, so it would "
+                        f"be overwritten and never reach the reward functions; rename the column")
     columns = ", ".join(map(repr, row)) or "none"
     if prompt_column not in row:
         raise _missing_column(where, prompt_column, columns, "prompt", train_path,

@@ -256,6 +256,12 @@ def test_a_prompt_column_named_as_a_reward_keyword_is_renamed_with_data_prompt_c
         load_jsonl(write_jsonl(tmp_path, [{"prompts": "a", "answer": "1"}]), prompt_column="prompts")
 
 
+def test_a_column_named_prompt_ids_is_refused_as_rlcores_own(tmp_path):
+    with pytest.raises(DataError, match=r"data\.jsonl:1: column 'prompt_ids' is where rlcore keeps each prompt's "
+                                        r"token ids, so it would be overwritten .*; rename the column$"):
+        load_jsonl(write_jsonl(tmp_path, [{"prompt": "a", "answer": "1", "prompt_ids": [5, 6]}]))
+
+
 # ---- load_examples ----
 
 def test_synthetic_task_examples_come_from_the_task():
