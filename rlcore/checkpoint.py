@@ -432,6 +432,11 @@ def latest_checkpoint(run: Path) -> Path:
     return ck
 
 
+TRAINER_STATE_KEYS = ("optimizer", "scheduler", "sampler_rng", "shuffler_rng", "torch_rng", "step", "data_pos",
+                      "nonfinite_total", "before")
+"""What every rlcore trainer_state.pt holds (train() writes more; later versions' additions are read with .get)."""
+
+
 def load_trainer_state(ck: Path) -> dict:
     """The optimizer, schedule, RNG and data-position state saved with checkpoint `ck`."""
     file = ck / "trainer_state.pt"
@@ -440,17 +445,13 @@ def load_trainer_state(ck: Path) -> dict:
     except Exception as e:  # a damaged file fails inside pickle or zipfile, with no file name
         raise ValueError(f"{file} cannot be read ({type(e).__name__}: {e}); the checkpoint is damaged"
                          f"{way_back(ck)}") from e
-    missing = [key for key in TRAINER_STATE_KEYS if key not in state] if isinstance(state, dict) else TRAINER_STATE_KEYS
+    missing = TRAINER_STATE_KEYS if not isinstance(state, dict) else [k for k in TRAINER_STATE_KEYS if k not in state]
     if missing:
         raise ValueError(f"{file} is not an rlcore trainer state: it lacks {', '.join(missing)}; rlcore resumes only "
                          f"the runs it wrote. To start from this checkpoint's weights, begin a new run with "
                          f"--set model.path={ck / 'model' if (ck / 'model').is_dir() else ck}")
     return state
 
-
-TRAINER_STATE_KEYS = ("optimizer", "scheduler", "sampler_rng", "shuffler_rng", "torch_rng", "step", "data_pos",
-                      "nonfinite_total", "before")
-"""What every rlcore trainer_state.pt holds (train() writes more; later versions' additions are read with .get)."""
 
 
 def way_back(ck: Path) -> str:

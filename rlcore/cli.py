@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
 def run_command(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlcore", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="run GRPO; with no CONFIG, the embedded default (rlcore's defaults when a --set names a model)")
+    p = sub.add_parser("train", help="run GRPO; with no CONFIG, the embedded default (rlcore's defaults when a "
+                                     "--set names a model)")
     p.add_argument("config", nargs="?", help="TOML file (see configs/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value, e.g. --set loss.beta=0.04 (repeatable)")

@@ -209,9 +209,9 @@ def load_examples(data) -> tuple[list[dict], list[dict]]:
     """(train, eval) examples for a `DataArgs` config section; eval rows are never training rows.
 
     Synthetic tasks: `tasks.train_eval_split`. JSONL: the first `num_eval` rows of `data.eval_path`
-    when given (a file other than `data.path`), else the first `num_eval` rows of `data.path` after a shuffle seeded by `data.seed`;
-    then at most `num_train` training rows (0 = all). Eval prompts that are also training prompts (the
-    same text in both files, or twice in data.path) are a warning.
+    when given (a file other than `data.path`), else the first `num_eval` rows of `data.path` after
+    a shuffle seeded by `data.seed`; then at most `num_train` training rows (0 = all). Eval prompts
+    that are also training prompts (the same text in both files, or twice in data.path) are a warning.
     """
     if data.task != "jsonl":  # a synthetic task (an unknown name is an error naming tasks.TASKS)
         return train_eval_split(data.task, data.num_train, data.num_eval, data.seed)
