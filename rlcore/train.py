@@ -34,7 +34,7 @@ import torch
 from rlcore.checkpoint import (RUN_CONFIG_HEADER, CheckpointError, check_model_dir, check_new_run_dir, checkpoint_step,
                                latest_checkpoint, load_model, load_resumed_model, load_trainer_state, resolve_dtype,
                                resume_command, save_checkpoint)
-from rlcore.config import Config, dump_config, embedded_model_name, recorded_model, with_absolute_paths
+from rlcore.config import Config, TrainArgs, dump_config, embedded_model_name, recorded_model, with_absolute_paths
 from rlcore import RlcoreWarning, distributed
 from rlcore.data import encode_prompts, load_examples
 from rlcore.embedded import build_embedded_model, cache_dir_name, why_a_model_of_its_own
@@ -88,31 +88,32 @@ def reuse_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
-def adamw(model: torch.nn.Module, t) -> torch.optim.AdamW:
+def adamw(model: torch.nn.Module, tc: TrainArgs) -> torch.optim.AdamW:
     """AdamW with decoupled weight decay on the weight matrices (and embeddings) only: biases and
     norm weights, the 1-D parameters, are not decayed, as in transformers' Trainer (and so TRL)."""
     params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": tc.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon)
+    return torch.optim.AdamW(groups, lr=tc.learning_rate, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_epsilon)
 
 
 def lr_lambda(cfg: Config, total_steps: int):
     """Linear warmup ((step+1)/(warmup+1): no step is wasted at rate 0, where transformers'
     step/warmup spends step 0 at rate 0), then constant, or linear or cosine decay to zero (or
     to min_lr: cosine_with_min_lr), after the warmup transformers' formulas and arguments."""
-    t = cfg.train
-    warmup = t.warmup_steps or math.ceil(t.warmup_ratio * total_steps)
-    cycles = t.lr_scheduler_kwargs.get("num_cycles", 0.5)
-    floor = t.lr_scheduler_kwargs.get("min_lr_rate", t.lr_scheduler_kwargs.get("min_lr", 0.0) / (t.learning_rate or 1))
+    tc = cfg.train
+    warmup = tc.warmup_steps or math.ceil(tc.warmup_ratio * total_steps)
+    kwargs = tc.lr_scheduler_kwargs
+    cycles = kwargs.get("num_cycles", 0.5)
+    floor = kwargs.get("min_lr_rate", kwargs.get("min_lr", 0.0) / (tc.learning_rate or 1))
 
     def f(step: int) -> float:
         if step < warmup:
             return (step + 1) / (warmup + 1)
-        if t.lr_scheduler_type in ("constant", "constant_with_warmup"):
+        if tc.lr_scheduler_type in ("constant", "constant_with_warmup"):
             return 1.0
         progress = (step - warmup) / max(1, total_steps - warmup)
-        if t.lr_scheduler_type == "linear":
+        if tc.lr_scheduler_type == "linear":
             return max(0.0, 1.0 - progress)
         return max(0.0, floor + (1 - floor) * 0.5 * (1.0 + math.cos(math.pi * cycles * 2.0 * progress)))
 
@@ -249,18 +250,18 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
     `resume`: a run directory to continue from its latest checkpoint. The run directory gets
     the config as config.toml (the one `rlcore train --resume` reads back) once the inputs load.
     """
-    t, lc, rc = cfg.train, cfg.loss, cfg.rollout
-    rank, world, device = distributed.init(pick_device(t.device))  # (0, 1, device) without torchrun
+    tc, lc, rc = cfg.train, cfg.loss, cfg.rollout  # the train, loss and rollout sections
+    rank, world, device = distributed.init(pick_device(tc.device))  # (0, 1, device) without torchrun
     if device.type == "cpu":
         reuse_freed_memory()
     main = rank == 0  # rank 0 alone prints and writes files
     validate(cfg, world_size=world)
-    run = Path(resume or t.output_dir)
+    run = Path(resume or tc.output_dir)
     if not resume:
         check_new_run_dir(run)
     if resume:
         check_resumed_model(run, cfg)
-    torch.manual_seed(t.seed)
+    torch.manual_seed(tc.seed)
 
     # Data and reward functions (checked before a model loads), model, tokenizer.
     train_set, eval_set = load_examples(cfg.data)
@@ -280,7 +281,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
     if cfg.model.dtype == "auto" and dtype == "bfloat16" and main:
         warn_bf16_weights(cfg, f"model.dtype = 'auto' on {model_dir}, a bfloat16 checkpoint")
     model = load_resumed_model(ck, dtype, device) if ck else load_model(model_dir, dtype, device)
-    model.gradient_checkpointing = t.gradient_checkpointing
+    model.gradient_checkpointing = tc.gradient_checkpointing
     check_vocab_fits(tok, model.config.vocab_size, model_dir)
     ref = reference_model(cfg, model, model_dir, ck, dtype, device) if lc.beta else None
     for split in (train_set, eval_set):
@@ -289,7 +290,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         for ex, p in zip(split, prompt_ids):
             ex["prompt_ids"] = p
     for split, new_tokens, option in ((train_set, rc.max_completion_length, "rollout.max_completion_length"),
-                                      (eval_set, t.eval_max_completion_length, "train.eval_max_completion_length")):
+                                      (eval_set, tc.eval_max_completion_length, "train.eval_max_completion_length")):
         longest = max((len(ex["prompt_ids"]) for ex in split), default=0)
         if main and split and longest + new_tokens > model.config.max_position_embeddings:  # as transformers warns
             warnings.warn(f"the longest prompt ({longest} tokens) + {option} = {new_tokens} is {longest + new_tokens} "
@@ -300,22 +301,24 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
     stop_sequences = [ids for s in rc.stop for ids in tok.stop_ids(s)]  # rollout.stop as token ids
 
     # Batch geometry (SPEC 1): one round = b*S*P completions = that / G prompts x G samples.
-    G, b, GA, mu = rc.num_generations, t.per_device_train_batch_size, t.gradient_accumulation_steps, lc.num_iterations
-    S = generation_steps(t, world)  # train.steps_per_generation (or TRL's generation_batch_size)
+    G, b, GA, mu = rc.num_generations, tc.per_device_train_batch_size, tc.gradient_accumulation_steps, lc.num_iterations
+    S = generation_steps(tc, world)  # train.steps_per_generation (or TRL's generation_batch_size)
     N = b * S * world  # completions per round, all ranks; this rank owns rows [rank*b*S, (rank+1)*b*S)
     mine = slice(rank * b * S, (rank + 1) * b * S)
     steps_per_round = S * mu // GA
-    max_steps = t.max_steps if t.max_steps > 0 else epoch_steps(len(train_set), N // G, steps_per_round,
-                                                                 t.num_train_epochs)  # TRL's max_steps = -1
+    max_steps = tc.max_steps if tc.max_steps > 0 else epoch_steps(len(train_set), N // G, steps_per_round,
+                                                                 tc.num_train_epochs)  # TRL's max_steps = -1
     if main:  # the batch geometry, as TRL's "total train batch size" line gives it
         print(f"{world} rank(s) x {b * S} completions = {N // G} prompts x G={G} per round; micro-batches of {b}, "
               f"an optimizer step every {GA} ({steps_per_round} per round, mu={mu})", flush=True)
-    if main and t.max_steps == -1:
-        print(f"num_train_epochs = {t.num_train_epochs}: {len(train_set)} prompts, {len(train_set) // (N // G)} "
+    if main and tc.max_steps == -1:
+        print(f"num_train_epochs = {tc.num_train_epochs}: {len(train_set)} prompts, {len(train_set) // (N // G)} "
               f"whole rounds of {N // G} per pass, {steps_per_round} optimizer step(s) per round: "
               f"max_steps = {max_steps}", flush=True)
+    # After a round's first optimizer step the policy has moved, so its later steps train on samples
+    # from an older policy: the round is off-policy (SPEC 1; validate made S a multiple of GA).
     off_policy = mu > 1 or S > GA
-    amp = t.bf16  # bf16 autocast for the training forward passes, and a bf16 rollout
+    amp = tc.bf16  # bf16 autocast for the training forward passes, and a bf16 rollout
     loss_options = policy_loss_options(lc)
 
     done = checkpoint_step(ck) if ck else 0
@@ -330,11 +333,11 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                                              dump_config(with_absolute_paths(cfg)))
         os.replace(run / "config.toml.tmp", run / "config.toml")  # a crash leaves the previous one
 
-    opt = adamw(model, t)
+    opt = adamw(model, tc)
     schedule = lr_lambda(cfg, max_steps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     sampler = torch.Generator(device=device).manual_seed(rc.seed + rank)  # rollout sampling
-    shuffler = torch.Generator(device=device).manual_seed(t.seed)   # micro-batch order
+    shuffler = torch.Generator(device=device).manual_seed(tc.seed)   # micro-batch order
     bonus = EntropyBonus(lc.entropy_coef, lc.use_adaptive_entropy, lc.entropy_target, lc.entropy_coef_delta,
                          lc.entropy_coef_min, lc.entropy_coef_max)
     step, data_pos, bad_in_row, bad_total = 0, 0, 0, 0
@@ -368,7 +371,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
             drop_rows_after(run / "completions.jsonl", step)
             print(f"resumed from {ck} at step {step}", flush=True)
     else:
-        before = evaluate(model, tok, eval_set, accuracy_fn, t.eval_max_completion_length,
+        before = evaluate(model, tok, eval_set, accuracy_fn, tc.eval_max_completion_length,
                           rank=rank, world=world, device=device)
         if main:
             metrics_file.write_text("")
@@ -380,14 +383,16 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         # 1. Rollout: G samples per prompt, token ids in and out. Every rank draws the same
         # round of prompts and samples the rows it owns (a group may straddle two ranks).
         t0 = clock(device)
-        batch = next_prompts(train_set, data_pos, N // G, t.seed)
+        batch = next_prompts(train_set, data_pos, N // G, tc.seed)
         data_pos += N // G
         # the round's number (for the warning below) and the step it ends at (for the note after the loop);
         # counted from data_pos and step, since a resume may start after a round that max_steps cut short
         round_no, round_end = data_pos // (N // G), step + steps_per_round
         rows = [ex for ex in batch for _ in range(G)][mine]
-        model.eval()
-        ro = generate(model, [ex["prompt_ids"] for ex in rows], 1, rc.max_completion_length,  # rows repeat G times
+        model.eval()  # rlcore's models have no dropout: eval() and train() below change no arithmetic
+        # num_generations=1: `rows` already repeats each prompt G times (a group may straddle two ranks)
+        ro = generate(model, [ex["prompt_ids"] for ex in rows], num_generations=1,
+                      max_new_tokens=rc.max_completion_length,
                       eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id,
                       temperature=rc.temperature, top_k=rc.top_k, top_p=rc.top_p, min_p=rc.min_p,
                       repetition_penalty=rc.repetition_penalty, stop_sequences=stop_sequences, generator=sampler,
@@ -396,7 +401,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
 
         # 2. Rewards and advantages, over the whole round (all ranks) before it is cut up.
         t0 = clock(device)
-        prompts, completions, values = reward_inputs(rows, decode_completions(tok, ro), columns)
+        prompts, completions, column_values = reward_inputs(rows, decode_completions(tok, ro), columns)
         completion_ids = [c[:n].tolist() for c, n in zip(ro.completion_ids, ro.lengths)]
         logged, extra = defaultdict(list), {}  # what reward functions report (log_metric, log_extra)
         trl_kwargs = reward_extras(completion_ids, RewardState(step, max_steps),
@@ -404,7 +409,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                                    log_extra=lambda column, values: extra.setdefault(column, []).extend(values))
         R = failure = None
         try:  # a failure on one rank's rows stops every rank with it (else the others wait at the next all-gather)
-            R = score_completions(reward_funcs, prompts, completions, values, lc.reward_on_error, trl_kwargs,
+            R = score_completions(reward_funcs, prompts, completions, column_values, lc.reward_on_error, trl_kwargs,
                                   first_row=mine.start)
         except (ValueError, TypeError, RuntimeError) as e:  # RewardFunctionError is a RuntimeError
             failure = e
@@ -419,7 +424,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                                                      reward_names=lc.reward_funcs,
                                                      multi_objective_aggregation=lc.multi_objective_aggregation)
         adv = every_adv[mine]
-        acc = accuracy_fn(prompts=prompts, completions=completions, **values)
+        acc = accuracy_fn(prompts=prompts, completions=completions, **column_values)
         acc = distributed.gather_rows(torch.tensor([a or 0.0 for a in acc], device=device), world)
 
         # The round as training tensors: prompt (left-padded) + completion (right-padded).
@@ -430,7 +435,9 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         samp = ro.full_logprobs if ro.full_logprobs is not None else ro.sampling_logprobs
         samp = samp[:, :cids.shape[1]].to(device)
         truncated = ro.truncated.to(device)
-        if lc.mask_truncated_completions:  # SPEC 4.5 masks per micro-batch, last: the same mask, set once here
+        # SPEC 4.5 applies it last, per micro-batch; once here for the round (as TRL does) the loss is the same,
+        # but the entropy mask's quantile and the mismatch metrics skip truncated rows too (docs/losses.md)
+        if lc.mask_truncated_completions:
             mask = mask_truncated(mask, truncated)
         adv = adv.to(device)
         lengths = ro.lengths.to(device)
@@ -443,11 +450,11 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                        "completion/len_min": every_length.min().item(), "completion/len_max": every_length.max().item(),
                        "completion/truncated_frac": every_truncated.mean().item(),
                        "tokens_per_s/rollout": every_length.sum().item() / max(t_rollout, 1e-9)}
-        if t.log_completions:  # every rank's texts and log_extra columns; rank 0 writes them
+        if tc.log_completions:  # every rank's texts and log_extra columns; rank 0 writes them
             texts = distributed.gather_objects((prompts, completions, extra), world)
             if main:
                 log_completions(run, step + 1, texts, R, every_adv, every_length, lc.reward_funcs,
-                                t.num_completions_to_print)
+                                tc.num_completions_to_print)
         t_score = clock(device) - t0
 
         # 3. old log-probs only when the round is off-policy (or TIS needs them); ref only if beta.
@@ -494,8 +501,12 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                 # The entropy mask (an all-gather under torchrun), once for the loss and the bonus.
                 entropy_keep = None if lc.top_entropy_quantile == 1.0 else \
                     entropy_mask(entropy.detach(), mask[mb], lc.top_entropy_quantile)
+                # pi_old. On-policy the policy has not moved since it sampled the round, so pi_old is the
+                # current policy: the ratio is 1 in value, the gradient REINFORCE's with the group baseline,
+                # and clip_ratio/* are 0, as expected (SPEC 1).
+                old_mb = logp.detach() if old is None else old[mb]
                 per_token, diag = policy_loss(
-                    logp, logp.detach() if old is None else old[mb], adv[mb], mask[mb],
+                    logp, old_mb, adv[mb], mask[mb],
                     ref=None if ref_lp is None else ref_lp[mb], tis_weights=None if tis is None else tis[mb],
                     entropy=entropy.detach(), entropy_keep=entropy_keep, samp=samp[mb], **loss_options)
                 loss = aggregate_loss(per_token, mask[mb], lc.loss_type, gradient_accumulation_steps=GA,
@@ -506,7 +517,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                 loss.backward()
                 if mismatch is None:  # on-policy: from this micro-batch's own log-probs
                     diag.update(rollout_mismatch(logp.detach(), samp[mb], mask[mb]))  # its `tokens` = diag's
-                step_metrics.append({"loss": loss.item(), **{k_: float(v) for k_, v in diag.items()}})
+                # one host sync per value: free on CPU, a wait for the GPU's queue on CUDA
+                step_metrics.append({"loss": loss.item(), **{key: float(v) for key, v in diag.items()}})
                 if (k + 1) % GA:
                     continue
 
@@ -516,7 +528,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                 if shared is not None:
                     shared.backward()  # the prompts' pass, with the gradients its micro-batches left
                 distributed.average_gradients(model, world)
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm or math.inf)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.max_grad_norm or math.inf)
                 bad_losses = sum(not math.isfinite(x["loss"]) for x in step_metrics)
                 finite = math.isfinite(grad_norm.item()) and not distributed.sum_over_ranks([bad_losses], world,
                                                                                           device)[0]
@@ -563,13 +575,13 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                         [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20], world, device)[0]
                 if main:
                     with open(metrics_file, "a") as f:
-                        f.write(json.dumps({k_: None if isinstance(v, float) and not math.isfinite(v) else v
-                                            for k_, v in met.items()}) + "\n")  # strict JSON: NaN -> null
-                if main and (step % t.logging_steps == 0 or step in (1, max_steps)):
+                        f.write(json.dumps({key: None if isinstance(v, float) and not math.isfinite(v) else v
+                                            for key, v in met.items()}) + "\n")  # strict JSON: NaN -> null
+                if main and (step % tc.logging_steps == 0 or step in (1, max_steps)):
                     print(log_line(step, max_steps, met), flush=True)
-                if bad_in_row >= t.max_nonfinite_steps:  # after this step's metrics row
+                if bad_in_row >= tc.max_nonfinite_steps:  # after this step's metrics row
                     raise FloatingPointError(f"{bad_in_row} non-finite steps in a row (train.max_nonfinite_steps="
-                                             f"{t.max_nonfinite_steps}); lower the learning rate or check rewards")
+                                             f"{tc.max_nonfinite_steps}); lower the learning rate or check rewards")
                 step_metrics, update_start = [], clock(device)
                 if step >= max_steps:
                     break
@@ -578,12 +590,12 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
 
         # Eval and checkpoint at round boundaries: a checkpoint holds no half round, except the
         # last one when max_steps ends the run inside a round (the note below says so).
-        if t.eval_steps and step % t.eval_steps < steps_per_round and step < max_steps:
-            accuracy = evaluate(model, tok, eval_set, accuracy_fn, t.eval_max_completion_length,
+        if tc.eval_steps and step % tc.eval_steps < steps_per_round and step < max_steps:
+            accuracy = evaluate(model, tok, eval_set, accuracy_fn, tc.eval_max_completion_length,
                                 rank=rank, world=world, device=device)
             if main:
                 record_eval(run, step, accuracy)
-        if (t.save_steps and step % t.save_steps < steps_per_round) or step >= max_steps:
+        if (tc.save_steps and step % tc.save_steps < steps_per_round) or step >= max_steps:
             distributed.check_replicas_agree(model, world)
             samplers = distributed.gather_objects(sampler.get_state(), world)
             if main:
@@ -592,13 +604,13 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                          "data_pos": data_pos, "nonfinite_total": bad_total, "nonfinite_in_row": bad_in_row,
                          "before": before, "entropy_bonus": bonus.state_dict() if lc.use_adaptive_entropy else None}
                 synced = lc.sync_ref_model and step >= lc.ref_model_sync_steps
-                save_checkpoint(run, step, model, Path(model_dir), state, t.save_total_limit, ref if synced else None)
+                save_checkpoint(run, step, model, Path(model_dir), state, tc.save_total_limit, ref if synced else None)
 
     if main and step < round_end:
         print(f"note: max_steps={max_steps} ended the run inside a round of {steps_per_round} optimizer "
               f"steps; a --resume with a larger max_steps starts a new round (the rest of this one is "
               f"not replayed)", flush=True)
-    after = evaluate(model, tok, eval_set, accuracy_fn, t.eval_max_completion_length,
+    after = evaluate(model, tok, eval_set, accuracy_fn, tc.eval_max_completion_length,
                      rank=rank, world=world, device=device)
     if main:
         record_eval(run, step, after)

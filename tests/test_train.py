@@ -301,8 +301,8 @@ def record_step_gradients(monkeypatch) -> list[torch.Tensor]:
     averaging over ranks and the clipping), as one flat fp64 vector."""
     seen, real = [], rlcore.train.adamw
 
-    def adamw(model, t):
-        opt = real(model, t)
+    def adamw(model, tc):
+        opt = real(model, tc)
         opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(torch.cat(
             [p.grad.reshape(-1).double() for g in o.param_groups for p in g["params"] if p.grad is not None])))
         return opt
