@@ -16,7 +16,7 @@ The forward pass returns final hidden states `[B, T, H]`; logits are a separate 
 and never materialises `[B, T, V]`. Attention takes explicit positions, an optional boolean mask
 and an optional static KV cache, which is all the rollout engine needs. Training can share a
 prompt's forward pass across its G completions with `PrefixKV` (see
-`rlcore.sft.completion_hidden`).
+`rlcore.forward.completion_hidden`).
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from rlcore.config import Config, TrainArgs, dump_config, embedded_model_name, r
 from rlcore import RlcoreWarning, distributed
 from rlcore.data import encode_prompts, load_examples
 from rlcore.embedded import build_embedded_model, cache_dir_name, why_a_model_of_its_own
+from rlcore.forward import SharedPrompts, completion_logprobs, pack
 from rlcore.losses.advantages import check_reward_funcs, compute_advantages, score_completions
 from rlcore.losses.aggregate import aggregate_loss
 from rlcore.losses.entropy import EntropyBonus
@@ -47,7 +48,6 @@ from rlcore.model import mix_into, weight_layout_difference
 from rlcore.rewards import REWARD_EXTRAS, RewardState, dataset_columns, get_reward_funcs, reward_extras, reward_inputs
 from rlcore.rollout import generate
 from rlcore.runlog import drop_rows_after, log_completions, log_line, record_eval, reduce_metrics
-from rlcore.sft import SharedPrompts, completion_logprobs, pack
 from rlcore.tasks import TASK_REWARD, unique_problems
 from rlcore.tokenizer import Tokenizer, check_vocab_fits
 from rlcore.validation import epoch_steps, generation_steps, validate, warn_bf16_weights

@@ -10,7 +10,7 @@ import torch
 
 from rlcore.checkpoint import load_model
 from rlcore.model import PrefixKV
-from rlcore.sft import SharedPrompts, completion_hidden, completion_logprobs, pack
+from rlcore.forward import SharedPrompts, completion_hidden, completion_logprobs, pack
 
 # Three prompts of different lengths, repeated unevenly, with ragged completions.
 LENGTHS_P, LENGTHS_C = (5, 9, 3), (4, 7, 1, 7, 2, 6)
