@@ -303,8 +303,9 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
     # Batch geometry (SPEC 1): one round = b*S*P completions = that / G prompts x G samples.
     G, b, GA, mu = rc.num_generations, tc.per_device_train_batch_size, tc.gradient_accumulation_steps, lc.num_iterations
     S = generation_steps(tc, world)  # train.steps_per_generation (or TRL's generation_batch_size)
-    N = b * S * world  # completions per round, all ranks; this rank owns rows [rank*b*S, (rank+1)*b*S)
-    mine = slice(rank * b * S, (rank + 1) * b * S)
+    n = b * S  # completions per round on this rank: rows [rank*n, (rank+1)*n) of the round
+    N = n * world  # completions per round, all ranks (SPEC's P is the rank count, `world` here)
+    mine = slice(rank * n, (rank + 1) * n)
     steps_per_round = S * mu // GA
     max_steps = tc.max_steps if tc.max_steps > 0 else epoch_steps(len(train_set), N // G, steps_per_round,
                                                                  tc.num_train_epochs)  # TRL's max_steps = -1
@@ -402,7 +403,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         # 2. Rewards and advantages, over the whole round (all ranks) before it is cut up.
         t0 = clock(device)
         prompts, completions, column_values = reward_inputs(rows, decode_completions(tok, ro), columns)
-        completion_ids = [c[:n].tolist() for c, n in zip(ro.completion_ids, ro.lengths)]
+        completion_ids = [c[:length].tolist() for c, length in zip(ro.completion_ids, ro.lengths)]
         logged, extra = defaultdict(list), {}  # what reward functions report (log_metric, log_extra)
         trl_kwargs = reward_extras(completion_ids, RewardState(step, max_steps),
                                    log_metric=lambda name, value: logged[name].append(float(value)),
@@ -430,7 +431,6 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         # The round as training tensors: prompt (left-padded) + completion (right-padded).
         ids, attn, cids, mask, Lp = pack(ro.prompt_ids, completion_ids, tok.pad_token_id)
         ids, attn, cids, mask = ids.to(device), attn.to(device), cids.to(device), mask.to(device)
-        n = b * S  # this rank's rows
         # the engine's log-probs before top-k/top-p/min-p filtering, when it kept them: the policy's own (SPEC 4)
         samp = ro.full_logprobs if ro.full_logprobs is not None else ro.sampling_logprobs
         samp = samp[:, :cids.shape[1]].to(device)
@@ -490,7 +490,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                 if k % GA == 0:
                     step_rows = torch.cat(micro[k:k + GA])
                     # active tokens of the step (for dapo) and its completion tokens (for tokens/s)
-                    step_tokens, step_len = distributed.sum_over_ranks(
+                    step_tokens, step_completion_tokens = distributed.sum_over_ranks(
                         [mask[step_rows].sum().item(), lengths[step_rows].sum().item()], world, device)
                     # Each distinct prompt of this optimizer step's micro-batches runs forward once
                     # (unless there are more than b of them: then each micro-batch runs its own).
@@ -557,7 +557,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                 met = {"step": step, "epoch": epoch, **round_stats, **reduce_metrics(step_metrics, world, device),
                        **(mismatch or {}), "grad_norm": grad_norm.item(), "lr": lr, "skipped": not finite,
                        "nonfinite_total": bad_total, **round_times, "time/update": t_step,
-                       "tokens_per_s/train": step_len / max(t_step, 1e-9)}
+                       "tokens_per_s/train": step_completion_tokens / max(t_step, 1e-9)}
                 if bonus.enabled:  # TRL logs the coefficient after adaptation, for the next step
                     met["entropy_coef"], met["entropy_coef/applied"] = bonus.coef, applied
                 if bonus.adaptive:  # what the controller compared with entropy_target (the bonus's tokens)
