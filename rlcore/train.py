@@ -6,9 +6,10 @@
         advantages   group-normalised, over the whole round            (rlcore.losses.advantages)
         old / ref    log-probs under no_grad, only when needed          (SPEC 1)
         for epoch in range(mu):                                         (mu = num_iterations)
-            for each of the S micro-batches:
-                per-token loss -> aggregate -> backward                 (rlcore.losses)
-                every GA micro-batches: grad-norm clip, optimizer step, metrics
+            for each optimizer step, GA of the S micro-batches:         (S / GA steps)
+                for each of its micro-batches:
+                    per-token loss -> aggregate -> backward             (rlcore.losses)
+                grad-norm clip, optimizer step, metrics
         eval, checkpoint
 
 The loop's own flags (off-policy or not, beta, TIS, the entropy bonus, a synced reference) are
@@ -486,41 +487,40 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         micro = [perm[k * b:(k + 1) * b] for k in range(S)]
         update_start, step_metrics = clock(device), []
         for epoch in range(mu):
-            for k, mb in enumerate(micro):  # mb: the micro-batch's rows
-                if k % GA == 0:
-                    step_rows = torch.cat(micro[k:k + GA])
-                    # active tokens of the step (for dapo) and its completion tokens (for tokens/s)
-                    step_tokens, step_completion_tokens = distributed.sum_over_ranks(
-                        [mask[step_rows].sum().item(), lengths[step_rows].sum().item()], world, device)
-                    # Each distinct prompt of this optimizer step's micro-batches runs forward once
-                    # (unless there are more than b of them: then each micro-batch runs its own).
-                    shared = SharedPrompts.build(model, ids[step_rows], attn[step_rows], Lp, amp, max_prompts=b)
-                logp, entropy = completion_logprobs(model, ids[mb], attn[mb], Lp, cids[mb], rc.temperature, amp,
-                                                    shared)  # entropy is differentiable: the bonus below
-                # 5. Loss: per token (SPEC 3-4), then this micro-batch's share of the step's (SPEC 5).
-                # The entropy mask (an all-gather under torchrun), once for the loss and the bonus.
-                entropy_keep = None if lc.top_entropy_quantile == 1.0 else \
-                    entropy_mask(entropy.detach(), mask[mb], lc.top_entropy_quantile)
-                # pi_old. On-policy the policy has not moved since it sampled the round, so pi_old is the
-                # current policy: the ratio is 1 in value, the gradient REINFORCE's with the group baseline,
-                # and clip_ratio/* are 0, as expected (SPEC 1).
-                old_mb = logp.detach() if old is None else old[mb]
-                per_token, diag = policy_loss(
-                    logp, old_mb, adv[mb], mask[mb],
-                    ref=None if ref_lp is None else ref_lp[mb], tis_weights=None if tis is None else tis[mb],
-                    entropy=entropy.detach(), entropy_keep=entropy_keep, samp=samp[mb], **loss_options)
-                loss = aggregate_loss(per_token, mask[mb], lc.loss_type, gradient_accumulation_steps=GA,
-                                      max_completion_length=rc.max_completion_length,
-                                      step_tokens=step_tokens, world_size=world)
-                if bonus.enabled:  # loss.entropy_coef: over the tokens the policy loss trains on
-                    loss = loss - bonus.term(entropy, mask[mb] if entropy_keep is None else entropy_keep, GA)
-                loss.backward()
-                if mismatch is None:  # on-policy: from this micro-batch's own log-probs
-                    diag.update(rollout_mismatch(logp.detach(), samp[mb], mask[mb]))  # its `tokens` = diag's
-                # one host sync per value: free on CPU, a wait for the GPU's queue on CUDA
-                step_metrics.append({"loss": loss.item(), **{key: float(v) for key, v in diag.items()}})
-                if (k + 1) % GA:
-                    continue
+            for first in range(0, S, GA):  # an optimizer step: GA micro-batches, first .. first + GA - 1
+                step_micro = micro[first:first + GA]
+                step_rows = torch.cat(step_micro)
+                # active tokens of the step (for dapo) and its completion tokens (for tokens/s)
+                step_tokens, step_completion_tokens = distributed.sum_over_ranks(
+                    [mask[step_rows].sum().item(), lengths[step_rows].sum().item()], world, device)
+                # Each distinct prompt of this optimizer step's micro-batches runs forward once
+                # (unless there are more than b of them: then each micro-batch runs its own).
+                shared = SharedPrompts.build(model, ids[step_rows], attn[step_rows], Lp, amp, max_prompts=b)
+                for mb in step_micro:  # mb: the micro-batch's rows
+                    logp, entropy = completion_logprobs(model, ids[mb], attn[mb], Lp, cids[mb], rc.temperature, amp,
+                                                        shared)  # entropy is differentiable: the bonus below
+                    # 5. Loss: per token (SPEC 3-4), then this micro-batch's share of the step's (SPEC 5).
+                    # The entropy mask (an all-gather under torchrun), once for the loss and the bonus.
+                    entropy_keep = None if lc.top_entropy_quantile == 1.0 else \
+                        entropy_mask(entropy.detach(), mask[mb], lc.top_entropy_quantile)
+                    # pi_old. On-policy the policy has not moved since it sampled the round, so pi_old is the
+                    # current policy: the ratio is 1 in value, the gradient REINFORCE's with the group baseline,
+                    # and clip_ratio/* are 0, as expected (SPEC 1).
+                    old_mb = logp.detach() if old is None else old[mb]
+                    per_token, diag = policy_loss(
+                        logp, old_mb, adv[mb], mask[mb],
+                        ref=None if ref_lp is None else ref_lp[mb], tis_weights=None if tis is None else tis[mb],
+                        entropy=entropy.detach(), entropy_keep=entropy_keep, samp=samp[mb], **loss_options)
+                    loss = aggregate_loss(per_token, mask[mb], lc.loss_type, gradient_accumulation_steps=GA,
+                                          max_completion_length=rc.max_completion_length,
+                                          step_tokens=step_tokens, world_size=world)
+                    if bonus.enabled:  # loss.entropy_coef: over the tokens the policy loss trains on
+                        loss = loss - bonus.term(entropy, mask[mb] if entropy_keep is None else entropy_keep, GA)
+                    loss.backward()
+                    if mismatch is None:  # on-policy: from this micro-batch's own log-probs
+                        diag.update(rollout_mismatch(logp.detach(), samp[mb], mask[mb]))  # its `tokens` = diag's
+                    # one host sync per value: free on CPU, a wait for the GPU's queue on CUDA
+                    step_metrics.append({"loss": loss.item(), **{key: float(v) for key, v in diag.items()}})
 
                 # Optimizer step. A non-finite loss (on any rank) or gradient skips it (and is
                 # counted). The averaged gradient and the summed count are the same on every rank,
