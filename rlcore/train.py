@@ -344,7 +344,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                          lc.entropy_coef_min, lc.entropy_coef_max)
     step, data_pos, bad_in_row, bad_total = 0, 0, 0, 0
     metrics_file = run / "metrics.jsonl"
-    if ck:
+    if ck:  # resume: every state the next step reads, exactly as the checkpoint left it
         if len(st["optimizer"]["param_groups"]) != len(opt.param_groups):  # one group before weight decay
             raise ValueError(f"{ck} was saved by an earlier rlcore (its optimizer state has one parameter "
                              "group, decayed or not); resume it with the rlcore version that wrote it")
@@ -372,7 +372,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
             drop_rows_after(run / "eval.jsonl", step)
             drop_rows_after(run / "completions.jsonl", step)
             print(f"resumed from {ck} at step {step}", flush=True)
-    else:
+    else:  # a new run: the baseline, held-out accuracy before any RL step
         before = evaluate(model, tok, eval_set, accuracy_fn, tc.eval_max_completion_length,
                           rank=rank, world=world, device=device)
         if main:
