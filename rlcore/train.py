@@ -309,7 +309,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
     mine = slice(rank * n, (rank + 1) * n)
     steps_per_round = S * mu // GA
     max_steps = tc.max_steps if tc.max_steps > 0 else epoch_steps(len(train_set), N // G, steps_per_round,
-                                                                 tc.num_train_epochs)  # TRL's max_steps = -1
+                                                                   tc.num_train_epochs)  # TRL's max_steps = -1
     if main:  # the batch geometry, as TRL's "total train batch size" line gives it
         print(f"{world} rank(s) x {b * S} completions = {N // G} prompts x G={G} per round; micro-batches of {b}, "
               f"an optimizer step every {GA} ({steps_per_round} per round, mu={mu})", flush=True)
