@@ -79,6 +79,8 @@ def plain_warnings(message, category, filename, lineno, file=None, line=None, *,
 def no_latest_hint(run: Path) -> str:
     """What a --resume directory without a `latest` file is instead: one of rlcore's checkpoints, a
     run that stopped before its first save, or a transformers Trainer's (TRL's) output."""
+    from rlcore.checkpoint import RUN_CONFIG_HEADER
+
     if (run / "trainer_state.pt").is_file():  # a checkpoint, as the Trainer's resume_from_checkpoint takes
         return (f"; it is a checkpoint: --resume takes its run directory, --resume {run.parent} (which "
                 f"continues from the checkpoint its `latest` names)")
@@ -88,7 +90,7 @@ def no_latest_hint(run: Path) -> str:
         weights = run if (run / "trainer_state.json").is_file() else trainer[-1]
         return (f"; it is a transformers Trainer's (TRL's) output, and rlcore resumes only the runs it wrote: to "
                 f"start a new run from its weights, --set model.path={weights}")
-    if (run / "config.toml").is_file():
+    if (run / "config.toml").is_file() and (run / "config.toml").read_text().startswith(RUN_CONFIG_HEADER):
         return ("; the run stopped before its first checkpoint (one is written every train.save_steps steps and at "
                 f"the end), so it starts over: rlcore train {run / 'config.toml'}")
     return ""

@@ -413,6 +413,10 @@ def test_a_run_that_failed_before_its_first_checkpoint_says_how_to_start_over(tm
             f"{run / 'config.toml'}") in capsys.readouterr().err
     assert main(["train", str(run / "config.toml"), "--set", "loss.reward_funcs=['test_train:first_digit']"]) == 0
     assert [r["step"] for r in rows(run)] == [1]
+    (tmp_path / "other").mkdir()  # another tool's directory with a config.toml: no rlcore advice
+    (tmp_path / "other" / "config.toml").write_text("[trainer]\nepochs = 3\n")
+    assert main(["train", "--resume", str(tmp_path / "other")]) == 1
+    assert capsys.readouterr().err.rstrip().endswith("no checkpoint there (no `latest` file)")
 
 
 def fails_from_step_2(prompts, completions, trainer_state, **columns):
