@@ -67,7 +67,7 @@ class DataArgs:
     prompt_column: str = "prompt"
     """JSONL column with the prompt: a string, or a list of chat messages (content: text, or a list of text parts)"""
     answer_column: str = "answer"
-    """JSONL column with the reference answer ("" = none); GSM8K-style "... #### 42" keeps 42"""
+    """JSONL column with the reference answer the accuracy reward reads ("" = none); "... #### 42" counts as 42"""
     num_train: int = 1000
     """training examples (synthetic: generated; jsonl: at most this many rows, 0 = all)"""
     num_eval: int = 32

@@ -12,7 +12,6 @@ from __future__ import annotations
 import codecs
 import json
 import random
-import re
 import warnings
 from pathlib import Path
 
@@ -49,13 +48,6 @@ class Example(dict):
         self.source = source
 
 
-def final_answer(answer: str) -> str:
-    """GSM8K style `"...reasoning... #### 1,234"` -> `"1234"`; any other string unchanged (stripped)."""
-    if "####" not in answer:
-        return answer.strip()
-    return re.sub(r"(?<=\d),(?=\d{3})", "", answer.rsplit("####", 1)[1].strip())
-
-
 def load_jsonl(path: str, prompt_column: str = "prompt", answer_column: str | None = "answer",
                key: str = "data.path", train_path: str | None = None) -> list[dict]:
     """One example per non-blank line of the UTF-8 JSONL file at `path` (the config's `key`;
@@ -64,8 +56,9 @@ def load_jsonl(path: str, prompt_column: str = "prompt", answer_column: str | No
     `prompt_column` must hold a string or a list of `{"role", "content"}` messages (content: a
     string, or a list of `{"type": "text", "text"}` parts) and becomes `prompt`; `answer_column`
     (None or "" = the dataset has no answers) must hold a string or a number (or null: a row
-    without one, which `accuracy` scores None) and becomes `answer`, with a GSM8K-style final
-    answer extracted (`final_answer`). Other columns are kept as they are. No column may be named
+    without one, which `accuracy` scores None). Every column is kept as it is, the answer column
+    too (reward functions get them as TRL passes them; `accuracy` reads a GSM8K-style "#### 42"
+    itself). No column may be named
     as a keyword rlcore passes reward functions itself (`rewards.REWARD_KEYWORDS`: prompts, completions...).
     `train_path`: data.path, loaded before, when this file is data.eval_path: a missing prompt or
     answer column is then a difference between the two files, not a wrong column option.
@@ -153,7 +146,6 @@ def _example(row: dict, where: str, prompt_column: str, answer_column: str | Non
         _check_message(message, f"{where}: column {prompt_column!r}, message {i}")
     if isinstance(prompt, str) and not prompt.strip():
         raise DataError(f"{where}: column {prompt_column!r} is an empty prompt; drop the row or fill it in")
-    answer = None
     if answer_column:
         if answer_column not in row:
             raise _missing_column(where, answer_column, columns, "answer", train_path,
@@ -164,8 +156,7 @@ def _example(row: dict, where: str, prompt_column: str, answer_column: str | Non
             raise DataError(f"{where}: column {answer_column!r} = {str(raw)[:60]!r} has type "
                             f"{type(raw).__name__}; expected a string, a number, or null for a row "
                             f"without a reference answer")
-        answer = final_answer(raw) if isinstance(raw, str) else None if raw is None else str(raw)
-    return Example({**row, "prompt": prompt, "answer": answer}, where)
+    return Example({**row, "prompt": prompt}, where)
 
 
 def _missing_column(where: str, column: str, columns: str, kind: str, train_path: str | None, fix: str) -> DataError:

@@ -10,9 +10,9 @@ The keywords are TRL's (`reward_inputs` builds them):
   while scoring the round, on all ranks; one of rlcore's own metric names is an error);
   `log_extra(column, values)` adds a column (one value per completion) to completions.jsonl
   when train.log_completions is on, else it is dropped;
-- every dataset column, one value per completion (a prompt's columns repeated for its G
-  completions; None where a row lacks a column other rows have). A column named as one of the
-  keywords above is an error when the dataset loads.
+- every dataset column, one value per completion, as the file holds it (a prompt's columns
+  repeated for its G completions; None where a row lacks a column other rows have). A column
+  named as one of the keywords above is an error when the dataset loads.
 A function with `**kwargs` receives all of them; one without gets those it names. It returns
 one float (or bool) per completion, or None (or NaN) where it cannot score that completion (for
 example, the row has no reference answer); SPEC section 2 says how None enters the advantages.
@@ -186,7 +186,9 @@ def answers_match(completion: str, gold) -> bool:
 
 
 def accuracy(prompts: list, completions: list, answer: list | None = None, **columns) -> list[float | None]:
-    """1.0 when the completion's final answer matches the `answer` column (`answers_match`), else 0.0.
+    """1.0 when the completion's final answer matches the `answer` column (`answers_match`: a
+    GSM8K-style "... #### 42" is compared as 42), else 0.0. The training loop reads another
+    column when data.answer_column names one (`accuracy_on`).
 
     None for every row when there is no `answer` column, and for rows whose answer is None.
     """
@@ -269,12 +271,28 @@ def countdown(prompts: list, completions: list, numbers: list | None = None,
 REWARDS: dict[str, RewardFunc] = {"accuracy": accuracy, "format": format_reward, "countdown": countdown}
 
 
-def get_reward_funcs(names: list[str]) -> list[RewardFunc]:
-    """The reward functions for config names: built-in (REWARDS) or "module:function" of your own."""
+def accuracy_on(column: str) -> RewardFunc:
+    """`accuracy` against the reference answers of dataset column `column` (data.answer_column;
+    "" = none, every score None). The columns reach reward functions as the dataset has them, so
+    a column other than `answer` is read here rather than renamed."""
+    if column == "answer":
+        return accuracy
+
+    def accuracy_reward(prompts: list, completions: list, **columns) -> list[float | None]:
+        return accuracy(prompts, completions, answer=columns.get(column) if column else None)
+    accuracy_reward.__name__ = "accuracy"  # as errors and logs name it
+    return accuracy_reward
+
+
+def get_reward_funcs(names: list[str], answer_column: str = "answer") -> list[RewardFunc]:
+    """The reward functions for config names: built-in (REWARDS) or "module:function" of your own.
+    `answer_column`: the dataset column with the reference answers, which `accuracy` compares with."""
     funcs = []
     for name in names:
         if ":" in name:
             funcs.append(load_reward_func(name))
+        elif name == "accuracy":
+            funcs.append(accuracy_on(answer_column))
         elif name in REWARDS:
             funcs.append(REWARDS[name])
         else:

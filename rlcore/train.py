@@ -266,7 +266,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
 
     # Data and reward functions (checked before a model loads), model, tokenizer.
     train_set, eval_set = load_examples(cfg.data)
-    reward_funcs = get_reward_funcs(lc.reward_funcs)
+    answer_column = cfg.data.answer_column if cfg.data.task == "jsonl" else "answer"  # synthetic tasks': answer
+    reward_funcs = get_reward_funcs(lc.reward_funcs, answer_column)
     columns = dataset_columns(train_set)  # passed to every reward call, None where a row lacks one
     check_reward_funcs(reward_funcs, ["prompts", "completions", *REWARD_EXTRAS, *columns])
     model_dir = (Path(cfg.model.path) if cfg.model.path not in ("", "embedded")
@@ -298,7 +299,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                           f"positions, past {model_dir}'s max_position_embeddings = "
                           f"{model.config.max_position_embeddings} (config.json): the model was not trained there; "
                           f"lower {option} or data.max_prompt_length", RlcoreWarning, stacklevel=2)
-    accuracy_fn = get_reward_funcs([TASK_REWARD[cfg.data.task]])[0]
+    accuracy_fn = get_reward_funcs([TASK_REWARD[cfg.data.task]], answer_column)[0]
     stop_sequences = [ids for s in rc.stop for ids in tok.stop_ids(s)]  # rollout.stop as token ids
 
     # Batch geometry (SPEC 1): one round = b*S*P completions = that / G prompts x G samples.

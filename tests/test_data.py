@@ -13,7 +13,7 @@ import pytest
 
 from rlcore import RlcoreWarning
 from rlcore.config import DataArgs
-from rlcore.data import DataError, encode_prompts, final_answer, format_prompt, load_examples, load_jsonl
+from rlcore.data import DataError, encode_prompts, format_prompt, load_examples, load_jsonl
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -58,19 +58,12 @@ def test_load_jsonl_skips_blank_lines(tmp_path):
     assert [ex["prompt"] for ex in load_jsonl(path)] == ["a", "b"]
 
 
-def test_gsm8k_answer_keeps_the_final_number(tmp_path):
-    path = write_jsonl(tmp_path, [{"prompt": "q", "answer": "3 * 4 = <<3*4=12>>12 boxes\n#### 1,212"}])
-    assert load_jsonl(path)[0]["answer"] == "1212"
-
-
-@pytest.mark.parametrize("raw, final", [("#### 42", "42"), ("no marker", "no marker"), ("a #### b #### -7 ", "-7")])
-def test_final_answer(raw, final):
-    assert final_answer(raw) == final
-
-
-def test_numeric_answer_becomes_string(tmp_path):
-    path = write_jsonl(tmp_path, [{"prompt": "q", "answer": 42}])
-    assert load_jsonl(path)[0]["answer"] == "42"
+@pytest.mark.parametrize("answer", ["3 * 4 = <<3*4=12>>12 boxes\n#### 1,212", 42, None])
+def test_the_answer_column_reaches_reward_functions_as_the_file_has_it(tmp_path, answer):
+    """As TRL passes dataset columns: a GSM8K answer keeps its reasoning, a number stays a number
+    (was: "1212" and "42", so a TRL reward doing answer.split("####") failed)."""
+    row = {"prompt": "q", "answer": answer, "level": 3}
+    assert dict(load_jsonl(write_jsonl(tmp_path, [row]))[0]) == row
 
 
 def test_chat_message_prompt_is_accepted(tmp_path):
@@ -102,9 +95,9 @@ def test_a_message_that_is_not_text_names_line_message_and_content(tmp_path, mes
         load_jsonl(write_jsonl(tmp_path, [{"prompt": [message], "answer": "68"}]))
 
 
-def test_no_answer_column_gives_none_answers(tmp_path):
-    path = write_jsonl(tmp_path, [{"prompt": "q"}])
-    assert load_jsonl(path, answer_column="")[0]["answer"] is None
+def test_without_an_answer_column_the_row_is_kept_as_it_is(tmp_path):
+    path = write_jsonl(tmp_path, [{"prompt": "q", "answer": 6}, {"prompt": "r"}])
+    assert [dict(ex) for ex in load_jsonl(path, answer_column="")] == [{"prompt": "q", "answer": 6}, {"prompt": "r"}]
 
 
 def test_missing_file_is_named(tmp_path):
@@ -226,7 +219,7 @@ def test_wrong_prompt_type_names_line_and_value(tmp_path):
 
 def test_a_null_answer_is_a_row_without_one(tmp_path):
     rows = load_jsonl(write_jsonl(tmp_path, [{"prompt": "a", "answer": None}, {"prompt": "b", "answer": "#### 7"}]))
-    assert [r["answer"] for r in rows] == [None, "7"]
+    assert [r["answer"] for r in rows] == [None, "#### 7"]
 
 
 def test_an_empty_prompt_names_the_line(tmp_path):

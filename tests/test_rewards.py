@@ -66,6 +66,21 @@ def test_accuracy_is_none_without_answer_column():
     assert accuracy(["p", "q"], ["1", "2"]) == [None, None]
 
 
+def test_accuracy_compares_a_raw_gsm8k_answer_or_number_by_its_final_number():
+    gold = ["3 * 4 = <<3*4=12>>12 boxes\n#### 1,212", "#### 1,212", 42, 42]
+    assert accuracy(["p"] * 4, ["so 1212", "1213", "The answer is 42", "4"], answer=gold) == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_the_loops_accuracy_reads_the_column_data_answer_column_names():
+    from rlcore.rewards import get_reward_funcs
+
+    columns = {"answer": ["7", "7"], "ground_truth": ["#### 3", "#### 4"]}
+    (on_truth,), (on_none,) = get_reward_funcs(["accuracy"], "ground_truth"), get_reward_funcs(["accuracy"], "")
+    assert on_truth(["p", "q"], ["3", "3"], **columns) == [1.0, 0.0] and on_truth.__name__ == "accuracy"
+    assert on_none(["p", "q"], ["3", "7"], **columns) == [None, None]
+    assert get_reward_funcs(["accuracy"])[0] is accuracy
+
+
 def test_accuracy_is_none_for_row_without_answer():
     assert accuracy(["p", "q"], ["1", "2"], answer=[None, "2"]) == [None, 1.0]
 
