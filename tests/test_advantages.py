@@ -349,6 +349,35 @@ def test_check_reward_funcs_finds_a_bad_signature_without_scoring():
         check_reward_funcs([trl_style, needs_difficulty], keywords)
 
 
+def test_a_reward_factory_named_in_place_of_its_reward_is_named_as_a_factory():
+    """TRL's get_soft_overlong_punishment / get_repetition_penalty_reward make reward functions."""
+    def get_overlong(max_completion_len, soft_punish_cache):
+        return lambda completion_ids, **kwargs: [0.0] * len(completion_ids)
+
+    def get_repetition(ngram_size=3, max_penalty=-1.0):
+        return lambda completions, **kwargs: [0.0] * len(completions)
+
+    factory = r"make one in a module of your own, reward = {}\(\.\.\.\), and name that, 'my_rewards:reward'"
+    with pytest.raises(TypeError, match=r"get_overlong cannot be called .*'max_completion_len'.*look like settings of "
+                                        r"a factory .*" + factory.format("get_overlong")):
+        check_reward_funcs([get_overlong], ["prompts", "completions"])
+    with pytest.raises(TypeError, match=r"get_repetition returned function; it must return a list of 3 floats .*"
+                                        r"looks like a factory .*" + factory.format("get_repetition")):
+        score_completions([get_repetition], PROMPTS, COMPLETIONS, COLUMNS)
+
+
+@pytest.mark.parametrize("on_error", ["raise", "none"])
+def test_a_missing_package_stops_the_run_naming_it_whatever_reward_on_error_says(on_error):
+    def needs_math_verify(prompts, completions, **kwargs):
+        import math_verify_is_not_installed  # noqa: F401
+        return [1.0] * len(completions)
+
+    with pytest.raises(RewardFunctionError, match=r"needs_math_verify raised ModuleNotFoundError: No module named "
+                                                  r"'math_verify_is_not_installed'; install the package it imports "
+                                                  r"\(pip install math_verify_is_not_installed\) and run again$"):
+        score_completions([needs_math_verify], PROMPTS, COMPLETIONS, COLUMNS, on_error)
+
+
 def test_a_class_is_not_a_reward_function_but_its_instance_is():
     class Length:
         def __call__(self, prompts, completions, **kwargs):

@@ -54,6 +54,10 @@ def score_completions(
         per_row = [key for key in kwargs if key in columns or key in ("prompts", "completions", "completion_ids")]
         try:
             values = _call(fn, kwargs)
+        except ImportError as err:  # a package it needs is missing: no sample would score, reward_on_error or not
+            install = f" (pip install {err.name})" if err.name else ""
+            raise RewardFunctionError(f"reward function {name} raised {type(err).__name__}: {err}; install the "
+                                      f"package it imports{install} and run again", err) from err
         except Exception as err:
             values = _score_one_by_one(fn, name, kwargs, per_row, n, on_error, err, first_row)
         for i, value in enumerate(_check_scores(name, values, n, completions, first_row)):
@@ -93,9 +97,13 @@ def _arguments_for(fn: Callable, name: str, available: dict) -> dict:
     try:
         signature.bind(**kwargs)
     except TypeError as err:
+        fix = "rename its parameters to these, or give them defaults"
+        if not kwargs:  # no parameter is a reward keyword or a column: a factory's settings, as TRL's get_*_reward
+            fix = (f"its parameters look like settings of a factory that makes a reward function; make one in a "
+                   f"module of your own, reward = {name}(...), and name that, 'my_rewards:reward'")
         raise TypeError(f"reward function {name} cannot be called with the arguments rlcore passes ({err}); "
                         f"it is called with keywords {', '.join(available)} (the last ones are the dataset's "
-                        f"columns), as TRL calls it: rename its parameters to these, or give them defaults") from None
+                        f"columns), as TRL calls it: {fix}") from None
     return kwargs
 
 
@@ -113,8 +121,11 @@ def _check_scores(name: str, values, n: int, completions: list | None = None, fi
     """Validate one reward function's output: a sequence of n numbers or None (`completions`,
     when given, name the sample of an infinite score; samples are numbered from `first`)."""
     if isinstance(values, (str, bytes, Mapping, Set)) or not hasattr(values, "__len__"):
+        factory = (f" ({name} looks like a factory that makes a reward function, as TRL's get_*_reward are: make "
+                   f"one in a module of your own, reward = {name}(...), and name that, 'my_rewards:reward')"
+                   if callable(values) else "")
         raise TypeError(f"reward function {name} returned {type(values).__name__}; "
-                        f"it must return a list of {n} floats or None, one per completion in order")
+                        f"it must return a list of {n} floats or None, one per completion in order{factory}")
     if isinstance(values, Tensor) and values.dim() != 1:
         raise TypeError(f"reward function {name} returned a tensor of shape {tuple(values.shape)}; "
                         f"it must return one number per completion ({n})")
