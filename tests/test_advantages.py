@@ -369,7 +369,7 @@ def test_a_reward_factory_named_in_place_of_its_reward_is_named_as_a_factory():
 @pytest.mark.parametrize("on_error", ["raise", "none"])
 def test_a_missing_package_stops_the_run_naming_it_whatever_reward_on_error_says(on_error):
     def needs_math_verify(prompts, completions, **kwargs):
-        import math_verify_is_not_installed  # noqa: F401
+        __import__("math_verify_is_not_installed")
         return [1.0] * len(completions)
 
     with pytest.raises(RewardFunctionError, match=r"needs_math_verify raised ModuleNotFoundError: No module named "
