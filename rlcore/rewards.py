@@ -34,6 +34,7 @@ import inspect
 import os
 import re
 import traceback
+import dataclasses
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -45,10 +46,22 @@ NOT_COLUMNS = ("prompt", "prompt_ids")  # example keys that are not passed as co
 
 @dataclass
 class RewardState:
-    """`trainer_state` for reward functions: the fields of TRL's TrainerState they read."""
+    """`trainer_state` for reward functions: the fields of TRL's TrainerState (transformers'
+    `TrainerState`) that reward functions read, such as a schedule over the run."""
 
     global_step: int
+    """optimizer steps done before this round"""
     max_steps: int
+    """optimizer steps the run takes"""
+    epoch: float = 0.0
+    """passes over the training prompts done before this round (fractional, as TRL counts them)"""
+    num_train_epochs: float = 1.0
+    """train.num_train_epochs"""
+
+    def __getattr__(self, name: str):  # only for names that are not fields
+        fields = ", ".join(f.name for f in dataclasses.fields(self))
+        raise AttributeError(f"trainer_state.{name}: rlcore's trainer_state has {fields} (TRL passes transformers' "
+                             f"whole TrainerState; these are the fields a reward function reads)")
 
 
 # How rlcore calls a reward function: from its own files, through asyncio for an async one.

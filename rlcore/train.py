@@ -407,7 +407,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         prompts, completions, column_values = reward_inputs(rows, decode_completions(tok, ro), columns)
         completion_ids = [c[:length].tolist() for c, length in zip(ro.completion_ids, ro.lengths)]
         logged, extra = defaultdict(list), {}  # what reward functions report (log_metric, log_extra)
-        trl_kwargs = reward_extras(completion_ids, RewardState(step, max_steps),
+        reward_state = RewardState(step, max_steps, (data_pos - N // G) / len(train_set), tc.num_train_epochs)
+        trl_kwargs = reward_extras(completion_ids, reward_state,
                                    log_metric=lambda name, value: logged[name].append(float(value)),
                                    log_extra=lambda column, values: extra.setdefault(column, []).extend(values))
         R = failure = None

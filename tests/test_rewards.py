@@ -81,6 +81,16 @@ def test_the_loops_accuracy_reads_the_column_data_answer_column_names():
     assert get_reward_funcs(["accuracy"])[0] is accuracy
 
 
+def test_trainer_state_has_the_fields_reward_functions_read_and_names_them_for_another():
+    from rlcore.rewards import RewardState
+
+    state = RewardState(global_step=3, max_steps=10, epoch=0.5, num_train_epochs=2.0)
+    assert (state.global_step, state.max_steps, state.epoch, state.num_train_epochs) == (3, 10, 0.5, 2.0)
+    with pytest.raises(AttributeError, match=r"trainer_state\.log_history: rlcore's trainer_state has global_step, "
+                                             r"max_steps, epoch, num_train_epochs \(TRL passes"):
+        state.log_history
+
+
 def test_accuracy_is_none_for_row_without_answer():
     assert accuracy(["p", "q"], ["1", "2"], answer=[None, "2"]) == [None, 1.0]
 

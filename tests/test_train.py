@@ -736,6 +736,23 @@ def test_too_many_nonfinite_steps_in_a_row_stop_the_run(tmp_path, monkeypatch):
     assert [(r["step"], r["skipped"], r["nonfinite_total"]) for r in got] == [(1, True, 1), (2, True, 2)]
 
 
+STATES = []
+
+
+def record_trainer_state(prompts, completions, trainer_state, **columns):
+    STATES.append((trainer_state.global_step, trainer_state.max_steps, trainer_state.epoch,
+                   trainer_state.num_train_epochs))
+    return first_digit(prompts, completions)
+
+
+def test_reward_functions_see_the_step_and_the_passes_over_the_prompts_done_before_the_round(tmp_path):
+    """TRL's trainer_state: global_step and epoch as of the round's scoring. SMALL's rounds are 16
+    completions of 4 prompts out of 256 training prompts: epoch = 4 * round / 256."""
+    STATES.clear()
+    train(config(tmp_path / "run", "train.max_steps=3", f"loss.reward_funcs=['{__name__}:record_trainer_state']"))
+    assert STATES == [(0, 3, 0.0, 3.0), (1, 3, 4 / 256, 3.0), (2, 3, 8 / 256, 3.0)]  # 3.0: TRL's default
+
+
 def test_reward_function_that_raises_stops_the_run_naming_it_and_the_sample(tmp_path):
     with pytest.raises(RuntimeError, match=r"reward function explode raised ValueError: this reward always "
                                            r"fails on sample 0: prompt='\d+\+\d+=', completion='") as err:
