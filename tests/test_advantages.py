@@ -105,6 +105,8 @@ def test_stats_report_reward_and_advantage_summaries_as_floats():
         "reward/std": math.sqrt(((1 - 4.5) ** 2 + (3 - 4.5) ** 2 + 2 * (7 - 4.5) ** 2) / 3),
         "reward/accuracy/mean": 3.5,
         "reward/format/mean": 4 / 3,
+        "reward/accuracy/std": math.sqrt(((1 - 3.5) ** 2 + (3 - 3.5) ** 2 + 2 * (5 - 3.5) ** 2) / 3),
+        "reward/format/std": math.sqrt(((0 - 4 / 3) ** 2 + 2 * (2 - 4 / 3) ** 2) / 2),  # NaN left out, as TRL's
         "frac_reward_zero_std": 0.5,
         "advantage/mean": 0.0,
         "advantage/abs_mean": 0.5,

@@ -203,7 +203,7 @@ def compute_advantages(
     then s = nansum_f(w_f * z_f) and A = (s - nanmean(s)) / (nanstd(s) + 1e-4) over the whole
     batch (scale_rewards does not apply), so one function's scale cannot drown the others'.
     NaN advantages become 0. Returns (A, stats) with python-float stats:
-    reward/mean, reward/std, reward/<name>/mean per function (names default to "0", "1", ...),
+    reward/mean, reward/std, reward/<name>/mean and /std per function (names default to "0", "1", ...),
     frac_reward_zero_std (groups with fewer than two distinct valid rewards), advantage/mean,
     advantage/abs_mean.
     """
@@ -258,6 +258,7 @@ def compute_advantages(
         "reward/mean": r.nanmean().item(),
         "reward/std": _nanstd(r, dim=0).item(),
         **{f"reward/{name}/mean": rewards[:, f].nanmean().item() for f, name in enumerate(names)},
+        **{f"reward/{name}/std": _nanstd(rewards[:, f], dim=0).item() for f, name in enumerate(names)},
         "frac_reward_zero_std": zero_std.double().mean().item(),
         "advantage/mean": adv.mean().item(),
         "advantage/abs_mean": adv.abs().mean().item(),
