@@ -164,7 +164,9 @@ def validate(config: Config, world_size: int = 1) -> None:
     for name in lo.reward_funcs:
         if ":" not in name and name not in REWARDS:
             close = difflib.get_close_matches(name, REWARDS, n=1)
-            problems.append(f"loss.reward_funcs has unknown reward {name!r}; built-in rewards are "
+            model = (" (a Hugging Face model id? rlcore scores with Python functions, not reward models as TRL "
+                     "also takes: call your model from a function)" if "/" in name else "")
+            problems.append(f"loss.reward_funcs has unknown reward {name!r}{model}; built-in rewards are "
                             f"{', '.join(REWARDS)}" + (f" (did you mean {close[0]!r}?)" if close else "")
                             + ", or give your own as 'module:function'")
     judge = TASK_REWARD[d.task]  # the reward that decides held-out accuracy

@@ -544,6 +544,12 @@ def test_reward_weights_length_must_match_reward_funcs():
         load_config(None, ["loss.reward_weights=[1, 2]"])
 
 
+def test_a_reward_model_id_is_named_as_unsupported():
+    with pytest.raises(ConfigError, match=r"unknown reward 'org/reward-model-deberta' \(a Hugging Face model id\? "
+                                          r"rlcore scores with Python functions, not reward models"):
+        load_config(None, ["loss.reward_funcs=['org/reward-model-deberta']"])
+
+
 def test_unknown_reward_name_lists_built_in_rewards():
     with pytest.raises(ConfigError, match=r"unknown reward 'acuracy'; built-in rewards are accuracy, "
                                           r"format, countdown.*did you mean 'accuracy'"):
