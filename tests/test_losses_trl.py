@@ -149,10 +149,15 @@ def test_a_trl_config_gives_trls_advantages(case, checkpoint, tmp_path):
     names = [f"{__name__}:{f.__name__}" for f in funcs]  # rlcore's config names them; TRL takes the functions
     lc = rlcore_config({**options, "reward_funcs": names}, tmp_path).loss
     R = score_completions(get_reward_funcs(lc.reward_funcs), prompts, completions, {})
-    got, _ = compute_advantages(R, G, lc.reward_weights, lc.scale_rewards,
-                                multi_objective_aggregation=lc.multi_objective_aggregation)
+    got, stats = compute_advantages(R, G, lc.reward_weights, lc.scale_rewards, reward_names=[f.__name__ for f in funcs],
+                                    multi_objective_aggregation=lc.multi_objective_aggregation)
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=1e-6)
     assert want.abs().sum() > 0  # the case has signal
+    logged = trainer._metrics["train"]  # TRL's per-function reward statistics, as rlcore names them
+    for f in funcs:
+        for stat in ("mean", "std"):
+            assert stats[f"reward/{f.__name__}/{stat}"] == pytest.approx(logged[f"rewards/{f.__name__}/{stat}"][-1],
+                                                                         rel=1e-6)
 
 
 # ---- loss --------------------------------------------------------------------------------------
