@@ -453,7 +453,6 @@ def load_trainer_state(ck: Path) -> dict:
     return state
 
 
-
 def way_back(ck: Path) -> str:
     """For a damaged checkpoint `ck` of a run: the earlier one to resume from, and how."""
     earlier = [p for p in checkpoints(ck.parent) if checkpoint_step(p) < checkpoint_step(ck)]

@@ -76,6 +76,11 @@ def plain_warnings(message, category, filename, lineno, file=None, line=None, *,
     _default(message, category, filename, lineno, file, line)
 
 
+def kept_checkpoint(run: Path) -> str | None:
+    """The checkpoint a run directory's `latest` names (what a --resume continues from), or None."""
+    return (run / "latest").read_text().strip() if (run / "latest").is_file() else None
+
+
 def no_latest_hint(run: Path) -> str:
     """What a --resume directory without a `latest` file is instead: one of rlcore's checkpoints, a
     run that stopped before its first save, or a transformers Trainer's (TRL's) output."""
@@ -206,7 +211,7 @@ def run_command(argv: list[str] | None = None) -> int:
     try:
         result = train(cfg, resume=args.resume)
     except RewardFunctionError as e:  # the user's function failed: its own frames, not rlcore's
-        kept = (run / "latest").read_text().strip() if (run / "latest").is_file() else None
+        kept = kept_checkpoint(run)
         after = (f"{run} keeps {kept}: once the function is fixed, continue with {resume_command(run, world)}" if kept
                  else "no checkpoint was written yet (train.save_steps), so a run started again starts over")
         report(f"rlcore: error: {e}\n{e.trace}".rstrip("\n") + f"\nrlcore: {after}", e)
@@ -219,7 +224,7 @@ def run_command(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C (one process; torchrun stops its workers with SIGTERM instead)
         if launch_rank() != 0:
             return 130
-        kept = (run / "latest").read_text().strip() if (run / "latest").is_file() else None
+        kept = kept_checkpoint(run)
         print("\nrlcore: interrupted; " + (f"{run} keeps {kept}: continue with {resume_command(run, world)}" if kept
               else "no checkpoint was written yet, so there is nothing to resume: run the command again to start "
                    "over"), file=sys.stderr)

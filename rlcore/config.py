@@ -363,6 +363,9 @@ def _toml_string(s: str) -> str:
     return '"' + "".join(escapes.get(c, c if c.isprintable() else f"\\u{ord(c):04x}") for c in s) + '"'
 
 
+EMBEDDED_MODEL_PATHS = ("", "embedded")
+"""The model.path values that name the embedded tiny model (built and cached on first use)."""
+
 PATH_OPTIONS = (("model", "path"), ("model", "ref_path"), ("data", "path"), ("data", "eval_path"))
 """The options that name files or directories (relative ones are taken from the current directory)."""
 
@@ -373,7 +376,7 @@ def with_absolute_paths(config: Config) -> Config:
     config = copy.deepcopy(config)
     for section, key in PATH_OPTIONS:
         value = getattr(getattr(config, section), key)
-        if value not in (None, "", "embedded"):
+        if value is not None and value not in EMBEDDED_MODEL_PATHS:
             setattr(getattr(config, section), key, str(Path(value).resolve()))
     return config
 
@@ -387,7 +390,7 @@ def recorded_model(config_toml: Path) -> str | None:
     with open(config_toml, "rb") as f:
         recorded = tomllib.load(f)
     path, data = recorded.get("model", {}).get("path", ""), recorded.get("data", {})
-    if path not in ("", "embedded"):
+    if path not in EMBEDDED_MODEL_PATHS:
         return path
     return embedded_model_name(data.get("seed", DataArgs.seed), data.get("num_eval", DataArgs.num_eval))
 
@@ -468,7 +471,7 @@ def builds_on_embedded_default(path: str, raw: bytes, file: dict, overrides: dic
     if Path(path).resolve() == EMBEDDED_DEFAULT.resolve() or raw.startswith(RUN_CONFIG_HEADER.encode()):
         return False
     model_path = overrides.get("model", {}).get("path", file.get("model", {}).get("path", ""))
-    return model_path in ("", "embedded")
+    return model_path in EMBEDDED_MODEL_PATHS
 
 
 def overridden(overrides: list[str], option: str):
@@ -481,7 +484,7 @@ def model_in_overrides(overrides: list[str]) -> str:
     """The model.path the `--set` values give, or "" when none names a model ("embedded" names
     the embedded one, as "" does)."""
     path = overridden(overrides, "model.path")
-    return "" if path is None or str(path) in ("", "embedded") else str(path)
+    return "" if path is None or str(path) in EMBEDDED_MODEL_PATHS else str(path)
 
 
 def looks_like_yaml(path: str) -> bool:
@@ -726,8 +729,8 @@ def _check_type(key: str, value, tp):
             also = ", or true / false" if bool in base else ""
             raise ConfigError(f"{key} = {value!r} is not a valid choice; valid: "
                               f"{', '.join(repr(c) for c in choices)}{also}{hint}")
-    quoted = ""
-    if isinstance(value, str) and _toml_literal(value) is not None and _convert(_toml_literal(value), tp)[0]:
+    quoted, literal = "", _toml_literal(value) if isinstance(value, str) else None
+    if literal is not None and _convert(literal, tp)[0]:
         quoted = f" (in quotes, {value} is a string in TOML: write {key.split('.')[-1]} = {value})"
     raise ConfigError(f"{key} = {value!r} has type {type(value).__name__}, expected "
                       f"{_describe(tp)}{quoted}; e.g. {_shell_set(f'{key}={_example(tp, key)}')}")

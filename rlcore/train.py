@@ -35,7 +35,8 @@ import torch
 from rlcore.checkpoint import (RUN_CONFIG_HEADER, CheckpointError, check_model_dir, check_new_run_dir, checkpoint_step,
                                latest_checkpoint, load_model, load_resumed_model, load_trainer_state, resolve_dtype,
                                resume_command, save_checkpoint)
-from rlcore.config import Config, TrainArgs, dump_config, embedded_model_name, recorded_model, with_absolute_paths
+from rlcore.config import (EMBEDDED_MODEL_PATHS, Config, TrainArgs, dump_config, embedded_model_name, recorded_model,
+                           with_absolute_paths)
 from rlcore import RlcoreWarning, distributed
 from rlcore.data import encode_prompts, load_examples
 from rlcore.embedded import build_embedded_model, cache_dir_name, why_a_model_of_its_own
@@ -147,7 +148,7 @@ def check_resumed_model(run: Path, cfg: Config) -> None:
     tokenizer, and with beta the reference model, come from there. Another spelling of the same
     directory is the same model, and so is a new place once the recorded one is gone (moved).
     The embedded model is the one data.seed and data.num_eval built."""
-    embedded = cfg.model.path in ("", "embedded")
+    embedded = cfg.model.path in EMBEDDED_MODEL_PATHS
     started = recorded_model(run / "config.toml")
     now = embedded_model_name(cfg.data.seed, cfg.data.num_eval) if embedded else cfg.model.path
     if not embedded and not Path(now).exists():
@@ -270,7 +271,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
     reward_funcs = get_reward_funcs(lc.reward_funcs, answer_column)
     columns = dataset_columns(train_set)  # passed to every reward call, None where a row lacks one
     check_reward_funcs(reward_funcs, ["prompts", "completions", *REWARD_EXTRAS, *columns])
-    model_dir = (Path(cfg.model.path) if cfg.model.path not in ("", "embedded")
+    model_dir = (Path(cfg.model.path) if cfg.model.path not in EMBEDDED_MODEL_PATHS
                  else embedded_model_dir(cfg, rank, world))
     check_model_dir(model_dir)  # before its tokenizer: an rlcore checkpoint or a LoRA adapter is named as such
     tok = Tokenizer.from_dir(model_dir)

@@ -199,9 +199,14 @@ def test_get_reward_funcs_bad_module_path_is_named():
         get_reward_funcs(["no_such_module:fn"])
 
 
-def test_get_reward_funcs_names_an_error_raised_while_importing_the_module(tmp_path, monkeypatch):
-    (tmp_path / "broken_rewards.py").write_text("def f(prompts, completions:\n    return []\n")
+def reward_module(tmp_path, monkeypatch, name: str, source: str) -> None:
+    """A module `name` of the user's, importable as a config's 'name:function' names it."""
+    (tmp_path / f"{name}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_get_reward_funcs_names_an_error_raised_while_importing_the_module(tmp_path, monkeypatch):
+    reward_module(tmp_path, monkeypatch, "broken_rewards", "def f(prompts, completions:\n    return []\n")
     with pytest.raises(ValueError, match=r"'broken_rewards:f' cannot be loaded \(SyntaxError: .*line 1"):
         get_reward_funcs(["broken_rewards:f"])
 
@@ -220,8 +225,7 @@ reward = ClassReward(scale=2.0)
 
 
 def test_get_reward_funcs_rejects_a_class_and_says_to_name_an_instance(tmp_path, monkeypatch):
-    (tmp_path / "class_reward_rejected.py").write_text(CLASS_REWARD)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    reward_module(tmp_path, monkeypatch, "class_reward_rejected", CLASS_REWARD)
     with pytest.raises(ValueError, match=r"'class_reward_rejected:ClassReward' is a class; .*create an instance at "
                                          r"module level .*\(reward = ClassReward\(\)\) and name that instance "
                                          r"\('class_reward_rejected:reward'\)"):
@@ -229,16 +233,14 @@ def test_get_reward_funcs_rejects_a_class_and_says_to_name_an_instance(tmp_path,
 
 
 def test_a_name_that_is_not_callable_is_named_with_its_value(tmp_path, monkeypatch):
-    (tmp_path / "constant_reward.py").write_text("SCALE = 5\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    reward_module(tmp_path, monkeypatch, "constant_reward", "SCALE = 5\n")
     with pytest.raises(ValueError, match=r"'constant_reward:SCALE' is not a function but 5 \(type int\); name a "
                                          r"function defined in constant_reward$"):
         get_reward_funcs(["constant_reward:SCALE"])
 
 
 def test_an_instance_with_call_is_a_reward_function(tmp_path, monkeypatch):
-    (tmp_path / "class_reward_instance.py").write_text(CLASS_REWARD)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    reward_module(tmp_path, monkeypatch, "class_reward_instance", CLASS_REWARD)
     funcs = get_reward_funcs(["class_reward_instance:reward"])
     check_reward_funcs(funcs, ["prompts", "completions", "answer"])
     scores = score_completions(funcs, ["p", "p"], ["a", "bb"], {"answer": [None, None]})
@@ -280,8 +282,8 @@ def test_a_reward_module_shadowed_by_the_standard_library_names_both_files(tmp_p
 
 
 def test_a_missing_function_names_the_imported_file_and_the_nearest_name(tmp_path, monkeypatch):
-    (tmp_path / "typo_rewards.py").write_text("def length_reward(prompts, completions, **kwargs):\n    return []\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    reward_module(tmp_path, monkeypatch, "typo_rewards",
+                  "def length_reward(prompts, completions, **kwargs):\n    return []\n")
     with pytest.raises(ValueError, match=rf"'typo_rewards' was imported from {re.escape(str(tmp_path))}.typo_rewards"
                                          r".py; did you mean 'length_reward'\?"):
         get_reward_funcs(["typo_rewards:length_rewrd"])
