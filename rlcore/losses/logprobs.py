@@ -20,13 +20,17 @@ per chunk (and, when the entropy is in the loss, d H / d logits = -q * (log q + 
 - recompute=None (default): save when the softmax takes at most SAVE_PROBS_MAX_BYTES, else
   recompute; 4096 tokens x 151936 vocabulary (Qwen, 2.5 GB) is recomputed.
 
-It is written to be the plain-PyTorch twin of a fused CUDA kernel (SPEC section 3), the CPU
-path and that kernel's test oracle; the kernel itself is not written yet, so CUDA runs this too.
+The matmuls are PyTorch's (cuBLAS, MKL). The passes over each [chunk, V] block of logits that
+follow are `chunk_stats` (forward) and `chunk_grad_` (backward, when recomputing): on CUDA they
+run as one fused kernel each (`rlcore/cuda/token_logprobs.cu`, SPEC section 3), and these two
+functions are those kernels' plain-PyTorch twins, the CPU path and the kernels' test oracle.
 """
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+
+from rlcore import cuda
 
 SAVE_PROBS_MAX_BYTES = 512 * 2**20
 """Largest [N, V] softmax that recompute=None keeps for backward instead of recomputing logits."""
@@ -43,6 +47,41 @@ def _chunk_logits(
     if temperature != 1.0:
         logits /= temperature
     return logits
+
+
+def chunk_stats(z: Tensor, targets: Tensor, p_buf: Tensor, write_probs: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Twin of the CUDA kernel `softmax_stats`. Logits z [C, V] and targets [C] -> log-sum-exp,
+    log-probability of the target and entropy, each [C]. Overwrites z: with the softmax when
+    `write_probs`, else with scratch; p_buf [C, V] is scratch."""
+    m = z.amax(-1, keepdim=True)
+    z -= m  # max-subtracted, so exp cannot overflow
+    p = torch.exp(z, out=p_buf)
+    s = p.sum(-1, keepdim=True)
+    log_s = s.log()
+    lse = (m + log_s).squeeze(1)
+    logp = (z.gather(1, targets[:, None]) - log_s).squeeze(1)
+    # H = -sum_v q_v log q_v with q = p / s and log q = z - log s, so
+    # H = log s - sum_v p_v z_v / s; z.mul_(p) reuses the logits, done with here
+    entropy = (log_s - z.mul_(p).sum(-1, keepdim=True) / s).squeeze(1)
+    if write_probs:
+        torch.div(p, s, out=z)
+    return lse, logp, entropy
+
+
+def chunk_grad_(z: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, g: Tensor, g_h: Tensor | None,
+                q_buf: Tensor | None) -> Tensor:
+    """Twin of the CUDA kernel `logit_grad_`. Logits z [C, V] -> d loss / d z, in place, given the
+    forward's lse and entropy [C] and the upstream gradients g = d loss / d logp and g_h =
+    d loss / d entropy [C] (None: the loss has no entropy term; else q_buf [C, V] is scratch).
+    d logp / d z = onehot(target) - q and d H / d z = -q * (log q + H), so
+    grad_z = g * onehot - q * (g + g_h * (log q + H))."""
+    z -= lse[:, None]  # log q
+    if g_h is None:
+        z.exp_().mul_(-g[:, None])
+    else:
+        q = torch.exp(z, out=q_buf)
+        z.add_(entropy[:, None]).mul_(g_h[:, None]).add_(g[:, None]).mul_(q).neg_()
+    return z.scatter_add_(1, targets[:, None], g[:, None])
 
 
 class ChunkedTokenLogprobs(torch.autograd.Function):
@@ -62,8 +101,9 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         logp = hidden.new_empty(n, dtype=dtype)
         entropy = hidden.new_empty(n, dtype=dtype)
         lse = hidden.new_empty(n, dtype=dtype)
+        kernel = cuda.kernels("token_logprobs", hidden.device)
         buf = hidden.new_empty(min(chunk_size, n), vocab, dtype=dtype)  # a chunk's logits, or its exp
-        exp_buf = torch.empty_like(buf) if recompute else None
+        exp_buf = torch.empty_like(buf) if recompute and kernel is None else None
         probs = None if recompute else hidden.new_empty(n, vocab, dtype=dtype)
         if not recompute:  # every row's logits at once, into the softmax's buffer: one large matmul runs
             _chunk_logits(hidden, w, b, temperature, probs)  # faster than chunk-sized ones (~70 ms of 340)
@@ -73,18 +113,11 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 z, p_buf = _chunk_logits(hidden[rows], w, b, temperature, buf), exp_buf
             else:
                 z, p_buf = probs[rows], buf
-            m = z.amax(-1, keepdim=True)
-            z -= m  # max-subtracted, so exp cannot overflow
-            p = torch.exp(z, out=p_buf[: len(z)])
-            s = p.sum(-1, keepdim=True)
-            log_s = s.log()
-            lse[rows] = (m + log_s).squeeze(1)
-            logp[rows] = (z.gather(1, targets[rows, None]) - log_s).squeeze(1)
-            # H = -sum_v q_v log q_v with q = p / s and log q = z - log s, so
-            # H = log s - sum_v p_v z_v / s; z.mul_(p) reuses the logits, done with here
-            entropy[rows] = (log_s - z.mul_(p).sum(-1, keepdim=True) / s).squeeze(1)
-            if not recompute:
-                torch.div(p, s, out=z)  # the chunk's softmax, kept in `probs` for backward
+            if kernel is None:
+                stats = chunk_stats(z, targets[rows], p_buf[: len(z)], write_probs=not recompute)
+            else:
+                stats = kernel.softmax_stats(z, targets[rows], not recompute)
+            lse[rows], logp[rows], entropy[rows] = stats  # without recompute, z is now the softmax in `probs`
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, probs)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
@@ -109,29 +142,30 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         grad_logp = lse.new_zeros(n) if grad_logp is None else grad_logp.to(dtype) / temperature
         grad_ent = None if grad_entropy is None else grad_entropy.to(dtype) / temperature
         buf = hidden.new_empty(min(chunk_size, n), w.shape[0], dtype=dtype)
-        q_buf = None if grad_ent is None or probs is not None else torch.empty_like(buf)
+        kernel = None if probs is not None else cuda.kernels("token_logprobs", hidden.device)
+        q_buf = None if grad_ent is None or probs is not None or kernel is not None else torch.empty_like(buf)
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
             h = hidden[rows].to(dtype)
             g = grad_logp[rows, None]
             # d logp / d logits = onehot(target) - q, and d H / d logits = -q * (log q + H), so
             # grad_z = g * onehot - q * (g + g_H * (log q + H))
+            g_h = None if grad_ent is None else grad_ent[rows]
             if probs is None:  # recompute: the price of not saving N x V in forward
                 grad_z = _chunk_logits(h, w, b, temperature, buf)
-                grad_z -= lse[rows, None]  # log q
-                if grad_ent is None:
-                    grad_z.exp_().mul_(-g)
+                if kernel is None:
+                    chunk_grad_(grad_z, targets[rows], lse[rows], entropy[rows], grad_logp[rows], g_h,
+                                None if q_buf is None else q_buf[: h.shape[0]])
                 else:
-                    q = torch.exp(grad_z, out=q_buf[: h.shape[0]])
-                    g_h = grad_ent[rows, None]
-                    grad_z.add_(entropy[rows, None]).mul_(g_h).add_(g).mul_(q).neg_()
-            elif grad_ent is None:  # into buf, never in place: a retain_graph backward reads probs again
+                    kernel.logit_grad_(grad_z, targets[rows], lse[rows], entropy[rows], grad_logp[rows], g_h)
+            elif g_h is None:  # into buf, never in place: a retain_graph backward reads probs again
                 grad_z = torch.mul(probs[rows], -g, out=buf[: h.shape[0]])
+                grad_z.scatter_add_(1, targets[rows, None], g)
             else:  # q log q as xlogy: 0 where q underflowed to 0
-                q, g_h = probs[rows], grad_ent[rows, None]
+                q, g_h = probs[rows], g_h[:, None]
                 grad_z = torch.xlogy(q, q, out=buf[: h.shape[0]]).mul_(g_h)
                 grad_z.addcmul_(q, g + g_h * entropy[rows, None]).neg_()
-            grad_z.scatter_add_(1, targets[rows, None], g)
+                grad_z.scatter_add_(1, targets[rows, None], g)
             if need_h:
                 grad_h[rows] = (grad_z @ w).to(hidden.dtype)
             if need_w and start == 0:  # written, not added: no pass to zero [V, H] first
