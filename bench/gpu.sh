@@ -1,25 +1,49 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one go, from the checkout's root on a machine with one:
 #     bash bench/gpu.sh                       # logs under $OUT (default: gpu-results/)
-# 1. tests/test_gpu.py: the CUDA path against transformers on the same GPU, the fp64 definition
-#    and the CPU tests' own criteria (learning, resume), and the shipped GSM8K config on the GPU;
-# 2. bench/rollout.py on the GPU, rlcore against transformers' generate in the same process: the
-#    benchmark's model, then Qwen2.5-0.5B's shape at two batch sizes.
-# Needs torch with CUDA, transformers, pytest, tokenizers, safetensors and jinja2; no install of
-# rlcore (PYTHONPATH) and no network.
+# 1. build rlcore/cuda's kernels (the first CUDA use would; timed here), and test them against
+#    their PyTorch twins and the fp64 definition (tests/test_cuda_kernels.py);
+# 2. bench/logprobs_cuda.py: the kernels against their twins, alone and inside token_logprobs;
+# 3. bench/rollout.py on the GPU, rlcore against transformers' generate in the same process:
+#    Qwen2.5-0.5B's shape, 64 x 512 new tokens, in bf16 autocast, fp32 and bf16 weights, then the
+#    benchmark's model in fp32;
+# 4. tests/test_gpu.py: the CUDA path against transformers on the same GPU, the fp64 definition
+#    and the CPU tests' own criteria (learning, resume), and the shipped GSM8K config on the GPU.
+# Each step has a time limit in seconds (GPU_SH_LIMITS="build tests bench rollout gpu_tests"), and
+# none runs past GPU_SH_DEADLINE seconds from the start, so a short lease still brings back the
+# logs of what ran.
+# Needs torch with CUDA, nvcc, ninja, transformers, pytest, tokenizers, safetensors and jinja2; no
+# install of rlcore (PYTHONPATH) and no network.
 set -u -o pipefail
 out=${OUT:-gpu-results}
 mkdir -p "$out"
+read -r t_build t_tests t_bench t_rollout t_gpu <<< "${GPU_SH_LIMITS:-300 180 90 90 600}"
+deadline=${GPU_SH_DEADLINE:-3600}
+SECONDS=0
+limit() { local left=$((deadline - SECONDS)); echo $(( $1 < left ? $1 : (left > 1 ? left : 1) )); }
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 py=${PYTHON:-python3}
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     $py -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__)"
+    nvcc --version | tail -2
 } 2>&1 | tee "$out/machine.txt"
-$py -m pytest -q -p no:cacheprovider -rs -s tests/test_gpu.py > "$out/test_gpu.log" 2>&1
+
+timeout "$(limit "$t_build")" $py -c "from rlcore import cuda; cuda.build('token_logprobs', verbose=True)" > "$out/build.log" 2>&1
+echo "build exit status $? after $SECONDS s" | tee -a "$out/build.log"
+
+timeout "$(limit "$t_tests")" $py -m pytest -q -p no:cacheprovider -rs -k "not compile" tests/test_cuda_kernels.py > "$out/test_cuda_kernels.log" 2>&1
+echo "tests/test_cuda_kernels.py exit status $?" | tee -a "$out/test_cuda_kernels.log"
+tail -3 "$out/test_cuda_kernels.log"
+
+timeout "$(limit "$t_bench")" $py bench/logprobs_cuda.py 2>&1 | tee "$out/logprobs_cuda.log"
+
+for args in "--shape qwen2.5-0.5b --new-tokens 512 --dtype bf16" "--shape qwen2.5-0.5b --new-tokens 512" \
+            "--shape qwen2.5-0.5b --new-tokens 512 --dtype bf16-weights" ""; do
+    echo "== bench/rollout.py --device cuda $args" | tee -a "$out/rollout.log"
+    timeout "$(limit "$t_rollout")" $py bench/rollout.py --device cuda $args 2>&1 | grep -v Warning | tee -a "$out/rollout.log"
+done
+
+timeout "$(limit "$t_gpu")" $py -m pytest -q -p no:cacheprovider -rs -s tests/test_gpu.py > "$out/test_gpu.log" 2>&1
 echo "tests/test_gpu.py exit status $?" | tee -a "$out/test_gpu.log"
 grep -E "max \||shipped GSM8K|passed|failed|error|Error" "$out/test_gpu.log" | tail -30
-for args in "" "--shape qwen2.5-0.5b" "--shape qwen2.5-0.5b --prompts 32 --new-tokens 256"; do
-    echo "== bench/rollout.py --device cuda $args" | tee -a "$out/rollout.log"
-    $py bench/rollout.py --device cuda $args 2>&1 | grep -v Warning | tee -a "$out/rollout.log"
-done

@@ -8,8 +8,12 @@ exactly 128 new tokens each (no EOS), plain sampling at temperature 1.
     python bench/rollout.py --device cuda [--shape qwen2.5-0.5b] [--prompts 32]   # on a GPU
 
 `--shape qwen2.5-0.5b` takes Qwen2.5-0.5B's shape instead (hidden 896, 24 layers, 14 heads,
-2 KV heads, intermediate 4864, vocab 151936, tied), still random. On a GPU both sides run in fp32
-with TF32 off, timed with CUDA synchronised before each clock read.
+2 KV heads, intermediate 4864, vocab 151936, tied), still random. On a GPU both sides run with
+TF32 off, timed with CUDA synchronised before each clock read.
+
+`--dtype` sets both sides' precision: fp32 (default); bf16, bf16 autocast over the fp32 weights
+(what `train.bf16` does: rlcore's `generate(dtype=bfloat16)`, `generate` inside
+`torch.autocast`); bf16-weights, both models cast to bfloat16 (a bf16 checkpoint).
 
 The last line is `rollout_speedup_vs_hf=<ratio>`.
 """
@@ -41,9 +45,9 @@ SHAPES = {"bench": HF_CONFIG,
                                num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2)}
 
 
-def matmul_peak_gflops(device: torch.device, n: int = 2048, repeats: int = 5) -> float:
-    """This machine's fp32 matmul throughput: the best of a few n x n x n products."""
-    a, b, c = (torch.randn(n, n, device=device) for _ in range(3))
+def matmul_peak_gflops(device: torch.device, dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """This machine's matmul throughput in `dtype`: the best of a few n x n x n products."""
+    a, b, c = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(3))
     torch.mm(a, b, out=c)
     best = float("inf")
     for _ in range(repeats):
@@ -78,6 +82,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--shape", default="bench", choices=sorted(SHAPES))
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "bf16-weights"])
     args = ap.parse_args()
     device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 on both sides (PyTorch's default)
@@ -88,6 +93,10 @@ def main() -> None:
     model = Transformer(cfg).eval()
     model.load_state_dict(hf.state_dict(), strict=False)  # the tied lm_head key is extra
     hf, model = hf.to(device), model.to(device)
+    autocast = args.dtype == "bf16"  # bf16 compute over fp32 weights
+    if args.dtype == "bf16-weights":
+        hf, model = hf.to(torch.bfloat16), model.to(torch.bfloat16)
+    compute = torch.float32 if args.dtype == "fp32" else torch.bfloat16
 
     g = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(2, cfg.vocab_size, (args.prompts, args.prompt_len), generator=g).to(device)
@@ -95,16 +104,16 @@ def main() -> None:
 
     def run_rlcore(max_new: int):
         return generate(model, prompts.tolist(), args.G, max_new, eos_token_ids=[], pad_token_id=0,
-                        temperature=1.0, generator=torch.Generator(device).manual_seed(args.seed))
+                        temperature=1.0, generator=torch.Generator(device).manual_seed(args.seed), dtype=compute)
 
     def run_hf(max_new: int):
-        with torch.inference_mode():
+        with torch.inference_mode(), torch.autocast(device.type, torch.bfloat16, enabled=autocast):
             return hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True,
                                temperature=1.0, top_k=None, top_p=None, max_new_tokens=max_new,
                                min_new_tokens=max_new, num_return_sequences=args.G,
                                eos_token_id=None, pad_token_id=0)
 
-    peak = matmul_peak_gflops(device)
+    peak = matmul_peak_gflops(device, compute)
     run_rlcore(4), run_hf(4)  # warm-up: first-call overheads out of the timings
     t0 = clock(device)
     out = run_rlcore(new)
@@ -115,14 +124,14 @@ def main() -> None:
     t_hf = clock(device) - t0
     assert hf_out.shape == (N, args.prompt_len + new)
 
-    peak = max(peak, matmul_peak_gflops(device))  # before and after: the machine may be shared
+    peak = max(peak, matmul_peak_gflops(device, compute))  # before and after: the machine may be shared
     flops = rollout_flops(cfg, args.prompts, args.G, args.prompt_len, new)
     where = (torch.cuda.get_device_name(device) if device.type == "cuda" else
              f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
     print(f"machine: {where}, torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"fp32 matmul peak {peak:.0f} GFLOP/s (2048^3 mm)")
+          f"{args.dtype.split('-')[0]} matmul peak {peak:.0f} GFLOP/s (2048^3 mm)")
     print(f"workload: {args.shape} shape, {args.prompts} prompts x G={args.G} = {N} sequences, {args.prompt_len}-token "
-          f"prompts, {new} new tokens each, fp32, temperature 1, model FLOPs {flops / 1e9:.0f} G")
+          f"prompts, {new} new tokens each, {args.dtype}, temperature 1, model FLOPs {flops / 1e9:.0f} G")
     for name, secs in (("rlcore", t_rl), ("transformers", t_hf)):
         print(f"{name}: {N * new / secs:.0f} new tokens/s ({secs:.2f} s), "
               f"{flops / secs / 1e9:.0f} GFLOP/s = {flops / secs / 1e9 / peak:.0%} of matmul peak")
