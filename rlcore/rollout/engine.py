@@ -97,7 +97,8 @@ def decoding_attention(device: torch.device):
     """The attention kernels a decoding step may use: on CUDA, not cuDNN's. PyTorch picks cuDNN
     first for bf16 on recent GPUs, and it plans every new shape on the CPU (~1.8 ms a call on an
     H200); decoding lengthens the keys every step, so every layer of every step paid it (a bf16
-    rollout of 64 x 512 tokens in Qwen2.5-0.5B's shape: 35 s, against 11 s in fp32)."""
+    rollout of 64 x 512 tokens in Qwen2.5-0.5B's shape: 35 s, against 11 s in fp32; without
+    cuDNN, 14 s)."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
