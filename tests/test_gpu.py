@@ -8,6 +8,7 @@ TF32 is off for fp32 matmuls here (PyTorch's default), so fp32 on the GPU is hel
 CPU tests' tolerances.
 """
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import rlcore.rollout.engine as engine
 from conftest import make_hf_model
 from rlcore.checkpoint import load_model
 from rlcore.config import load_config
@@ -79,6 +81,24 @@ def test_gpu_rollout_logprobs_equal_a_cpu_training_forward():
     on_cpu = dataclasses.replace(out, completion_ids=out.completion_ids.cpu(), lengths=out.lengths.cpu())
     ref = training_logprobs(cpu_model.cpu(), on_cpu, 0.8)
     torch.testing.assert_close(out.sampling_logprobs.cpu(), ref, rtol=0, atol=1e-4)
+
+
+def test_a_bf16_rollout_on_the_gpu_equals_autocast_at_every_call(monkeypatch):
+    """dtype=bf16 casts the layers' weights once per rollout (`engine.matmul_weights_in`); the
+    completions and log-probs equal those of autocast casting them at every call, bit for bit."""
+    model = rlcore_model(make_hf_model("qwen2")).to(CUDA)
+    prompts = random_prompts([6, 3, 11, 6], seed=1)
+
+    def rollout():
+        return generate(model, prompts, 4, 40, eos_token_ids=list(range(1, 9)), pad_token_id=PAD, temperature=0.8,
+                        generator=torch.Generator(CUDA).manual_seed(0), dtype=torch.bfloat16)
+
+    cast_once = rollout()
+    monkeypatch.setattr(engine, "matmul_weights_in", lambda model, dtype: contextlib.nullcontext())
+    autocast_each_call = rollout()
+    for field in ("completion_ids", "completion_mask", "sampling_logprobs"):
+        assert torch.equal(getattr(cast_once, field), getattr(autocast_each_call, field)), field
+    assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 @pytest.mark.parametrize("recompute", [True, False])

@@ -1,6 +1,7 @@
 """The rollout engine against independent references: transformers' greedy `generate`, a full
 training-style forward pass without a cache, and the stopping rules stated in its docstring."""
 
+import contextlib
 import copy
 import json
 
@@ -11,7 +12,7 @@ from conftest import make_hf_model
 import rlcore.rollout.engine as engine
 from rlcore.model import KVCache, ModelConfig, Transformer, padded_causal_mask, rope_inv_freq
 from rlcore.rollout import Rollout, generate
-from rlcore.rollout.engine import decode_one_token, prefill
+from rlcore.rollout.engine import decode_one_token, matmul_weights_in, prefill
 from rlcore.rollout.packed import PackedDecoder
 
 PAD = 0
@@ -247,6 +248,46 @@ def test_bf16_rollout_of_an_fp32_model(decoder):
     m = out.completion_mask.bool()
     diff = (out.sampling_logprobs - training_logprobs(model, out, 0.8))[m].abs()
     assert 1e-5 < diff.max().item() < 1e-2
+
+
+def test_a_bf16_rollout_on_the_module_path_casts_the_layer_weights_once_with_autocasts_results(monkeypatch):
+    """Off CPU (the module decoding step), dtype=bf16 holds the layers' nn.Linear weights and
+    biases in bf16 for the rollout instead of letting autocast cast them at every call: the same
+    completions and log-probs, bit for bit; the model's own fp32 tensors are back afterwards, and
+    after a rollout that fails."""
+    monkeypatch.setattr(engine, "use_packed_decoder", lambda device: False)
+    model = rlcore_model(make_hf_model("qwen2"))  # qkv biases: cast too
+    q_proj = model.model.layers[0].self_attn.q_proj
+    own = {name: (p.data_ptr(), p.dtype) for name, p in model.named_parameters()}
+    seen = []
+    real_prefill = engine.prefill
+
+    def spying_prefill(*args):
+        seen.append((q_proj.weight.dtype, q_proj.bias.dtype, model.lm_head_weight.dtype))
+        return real_prefill(*args)
+
+    monkeypatch.setattr(engine, "prefill", spying_prefill)
+    prompts = random_prompts([6, 3, 11, 6], seed=1)
+
+    def rollout():
+        return generate(model, prompts, 4, 40, eos_token_ids=list(range(1, 9)), pad_token_id=PAD,
+                        temperature=0.8, generator=torch.Generator().manual_seed(0), dtype=torch.bfloat16)
+
+    cast_once = rollout()
+    assert seen == [(torch.bfloat16, torch.bfloat16, torch.float32)]  # embeddings and norms keep fp32
+    assert all((p.data_ptr(), p.dtype) == own[name] for name, p in model.named_parameters())
+    monkeypatch.setattr(engine, "matmul_weights_in", lambda model, dtype: contextlib.nullcontext())
+    autocast_each_call = rollout()
+    assert seen[1] == (torch.float32, torch.float32, torch.float32)
+    for field in ("completion_ids", "completion_mask", "sampling_logprobs"):
+        assert torch.equal(getattr(cast_once, field), getattr(autocast_each_call, field)), field
+
+    monkeypatch.setattr(engine, "matmul_weights_in", matmul_weights_in)
+    monkeypatch.setattr(engine, "sample", lambda *a: (_ for _ in ()).throw(RuntimeError("stopped mid-rollout")))
+    with pytest.raises(RuntimeError, match="stopped mid-rollout"):
+        rollout()
+    assert seen[2][0] == torch.bfloat16
+    assert all((p.data_ptr(), p.dtype) == own[name] for name, p in model.named_parameters())
 
 
 def test_packed_decoder_casts_fp32_weights_as_converting_the_model_does():
