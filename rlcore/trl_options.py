@@ -39,7 +39,8 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     "shuffle_dataset": ((True,), "rlcore always shuffles the prompts (train.seed sets the order)"),
     "gradient_checkpointing_kwargs": (ANY, "train.gradient_checkpointing always recomputes without reentrancy"),
     "use_liger_kernel": (ANY, "rlcore's log-probs are chunked already (no [B, T, V] logits), which is the memory "
-                              "Liger's fused loss saves"),
+                              "Liger's fused loss saves, and on CUDA their softmax passes run in rlcore's own fused "
+                              "kernels (rlcore/cuda)"),
     "activation_checkpointing_kwargs": (ANY, "train.gradient_checkpointing always recomputes without reentrancy"),
     "torch_compile": (ANY, "rlcore runs eager (the same computation; README's benchmarks say what compiling gained)"),
     "use_cpu": ((False,), "set train.device = 'cpu'"),
