@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 import warnings
@@ -208,6 +209,7 @@ def run_command(argv: list[str] | None = None) -> int:
         report(f"rlcore: error: --resume {run}: no checkpoint there (no `latest` file){no_latest_hint(run)}")
         return 1
     t0 = time.time()
+    previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         result = train(cfg, resume=args.resume)
     except RewardFunctionError as e:  # the user's function failed: its own frames, not rlcore's
@@ -221,7 +223,7 @@ def run_command(argv: list[str] | None = None) -> int:
         # the message names the problem and the value; a traceback would only bury it.
         report(f"rlcore: error: {e}", e)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C (one process; torchrun stops its workers with SIGTERM instead)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM: torchrun stops its workers with it, as do kill and schedulers
         if launch_rank() != 0:
             return 130
         kept = kept_checkpoint(run)
@@ -230,6 +232,7 @@ def run_command(argv: list[str] | None = None) -> int:
                    "over"), file=sys.stderr)
         return 130
     finally:
+        signal.signal(signal.SIGTERM, previous)
         distributed.close()  # under torchrun: before exit, not in the interpreter's teardown
     if launch_rank() != 0:  # under torchrun, rank 0 reports
         return 0
@@ -237,6 +240,12 @@ def run_command(argv: list[str] | None = None) -> int:
     print(plot_metrics(run))
     print(f"held-out accuracy: before={result['before']:.3f} after={result['after']:.3f}")
     return 0
+
+
+def interrupt(signum, frame) -> None:
+    """SIGTERM's handler during training: stop as Ctrl-C does, so that what is being written is
+    cleaned up (an embedded model's build directory) and the run says what it keeps."""
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ use the embedded model (conftest) and test_train.py's `SMALL` overrides and help
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -149,6 +151,29 @@ def test_cli_ctrl_c_says_what_is_kept_and_how_to_continue(tmp_path, capsys, monk
     assert codes == [130, 130] and "Traceback" not in err
     assert f"rlcore: interrupted; {run} keeps checkpoint-1: continue with rlcore train --resume {run}" in err
     assert "no checkpoint was written yet" in err
+
+
+def test_cli_sigterm_stops_the_run_as_ctrl_c_does(tmp_path, capsys, monkeypatch):
+    """torchrun passes Ctrl-C on to its workers as SIGTERM (so do `kill` and job schedulers): the
+    same message and exit status as Ctrl-C, and Python's own handler back after the command."""
+    run = tmp_path / "run"
+    assert main(cli_args(run, "train.max_steps=1")) == 0
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler raises in here
+        pytest.fail("SIGTERM did not stop the run")
+
+    monkeypatch.setattr("rlcore.train.train", terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        code = main(["train", "--resume", str(run), "--set", "train.max_steps=2"])
+    except KeyboardInterrupt:
+        pytest.fail("the command line let SIGTERM through as a KeyboardInterrupt")
+    err = capsys.readouterr().err
+    assert code == 130 and "Traceback" not in err
+    assert f"rlcore: interrupted; {run} keeps checkpoint-1: continue with rlcore train --resume {run}" in err
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_cli_a_file_in_the_current_directory_does_not_shadow_a_dependency(tmp_path):
