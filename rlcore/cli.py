@@ -223,7 +223,7 @@ def run_command(argv: list[str] | None = None) -> int:
         # the message names the problem and the value; a traceback would only bury it.
         report(f"rlcore: error: {e}", e)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM: torchrun stops its workers with it, as do kill and schedulers
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (kill, a scheduler; torchrun passes on the signal it got)
         if launch_rank() != 0:
             return 130
         kept = kept_checkpoint(run)

@@ -154,8 +154,8 @@ def test_cli_ctrl_c_says_what_is_kept_and_how_to_continue(tmp_path, capsys, monk
 
 
 def test_cli_sigterm_stops_the_run_as_ctrl_c_does(tmp_path, capsys, monkeypatch):
-    """torchrun passes Ctrl-C on to its workers as SIGTERM (so do `kill` and job schedulers): the
-    same message and exit status as Ctrl-C, and Python's own handler back after the command."""
+    """SIGTERM (`kill`, job schedulers, torchrun when it is terminated itself): the same message
+    and exit status as Ctrl-C, and the previous handler back after the command."""
     run = tmp_path / "run"
     assert main(cli_args(run, "train.max_steps=1")) == 0
 
