@@ -102,8 +102,9 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         entropy = hidden.new_empty(n, dtype=dtype)
         lse = hidden.new_empty(n, dtype=dtype)
         kernel = cuda.kernels("token_logprobs", hidden.device)
-        buf = hidden.new_empty(min(chunk_size, n), vocab, dtype=dtype)  # a chunk's logits, or its exp
-        exp_buf = torch.empty_like(buf) if recompute and kernel is None else None
+        chunk = (min(chunk_size, n), vocab)
+        buf = hidden.new_empty(chunk, dtype=dtype) if recompute or kernel is None else None  # logits, or exp
+        exp_buf = hidden.new_empty(chunk, dtype=dtype) if recompute and kernel is None else None
         probs = None if recompute else hidden.new_empty(n, vocab, dtype=dtype)
         if not recompute:  # every row's logits at once, into the softmax's buffer: one large matmul runs
             _chunk_logits(hidden, w, b, temperature, probs)  # faster than chunk-sized ones (~70 ms of 340)
@@ -148,9 +149,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             rows = slice(start, start + chunk_size)
             h = hidden[rows].to(dtype)
             g = grad_logp[rows, None]
-            # d logp / d logits = onehot(target) - q, and d H / d logits = -q * (log q + H), so
-            # grad_z = g * onehot - q * (g + g_H * (log q + H))
-            g_h = None if grad_ent is None else grad_ent[rows]
+            g_h = None if grad_ent is None else grad_ent[rows]  # [C]; chunk_grad_ says what backward computes
             if probs is None:  # recompute: the price of not saving N x V in forward
                 grad_z = _chunk_logits(h, w, b, temperature, buf)
                 if kernel is None:
@@ -162,9 +161,9 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 grad_z = torch.mul(probs[rows], -g, out=buf[: h.shape[0]])
                 grad_z.scatter_add_(1, targets[rows, None], g)
             else:  # q log q as xlogy: 0 where q underflowed to 0
-                q, g_h = probs[rows], g_h[:, None]
-                grad_z = torch.xlogy(q, q, out=buf[: h.shape[0]]).mul_(g_h)
-                grad_z.addcmul_(q, g + g_h * entropy[rows, None]).neg_()
+                q = probs[rows]
+                grad_z = torch.xlogy(q, q, out=buf[: h.shape[0]]).mul_(g_h[:, None])
+                grad_z.addcmul_(q, g + g_h[:, None] * entropy[rows, None]).neg_()
                 grad_z.scatter_add_(1, targets[rows, None], g)
             if need_h:
                 grad_h[rows] = (grad_z @ w).to(hidden.dtype)
@@ -197,12 +196,12 @@ def token_logprobs(
     Padding positions need a valid token id; mask them in the loss.
     bf16 inputs are computed in fp32 per chunk and receive grads in bf16.
 
-    Extra memory is two chunk_size x V fp32 buffers plus an fp32 grad of `weight`, and, until
-    backward, whatever `recompute` keeps: True keeps O(N), and backward recomputes the logits
-    (one more chunk x H x V matmul per chunk); False keeps the fp32 [N, V] softmax and backward
-    skips that matmul; None keeps it when it is at most SAVE_PROBS_MAX_BYTES (512 MiB: 2048 x
-    32000 is kept, 4096 x 151936 is recomputed). Without grad (no_grad, or no input requiring
-    grad) nothing is kept, whatever `recompute` says.
+    Extra memory is at most two chunk_size x V fp32 buffers (one through the CUDA kernels) plus
+    an fp32 grad of `weight`, and, until backward, whatever `recompute` keeps: True keeps O(N),
+    and backward recomputes the logits (one more chunk x H x V matmul per chunk); False keeps the
+    fp32 [N, V] softmax and backward skips that matmul; None keeps it when it is at most
+    SAVE_PROBS_MAX_BYTES (512 MiB: 2048 x 32000 is kept, 4096 x 151936 is recomputed). Without
+    grad (no_grad, or no input requiring grad) nothing is kept, whatever `recompute` says.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -222,7 +221,7 @@ def token_logprobs(
         itemsize = torch.promote_types(weight.dtype, torch.float32).itemsize
         recompute = batch * time * weight.shape[0] * itemsize > SAVE_PROBS_MAX_BYTES
     logp, entropy = ChunkedTokenLogprobs.apply(
-        hidden.reshape(batch * time, size), weight, bias, targets.reshape(-1).long(),
+        hidden.reshape(batch * time, size), weight, bias, targets.reshape(-1).long().contiguous(),
         float(temperature), int(chunk_size), recompute,
     )
     return logp.view(batch, time), entropy.view(batch, time)
