@@ -88,6 +88,8 @@ def test_a_bf16_rollout_on_the_gpu_equals_autocast_at_every_call(monkeypatch):
     completions and log-probs equal those of autocast casting them at every call, bit for bit."""
     model = rlcore_model(make_hf_model("qwen2")).to(CUDA)
     prompts = random_prompts([6, 3, 11, 6], seed=1)
+    q_proj, seen, real_prefill = model.model.layers[0].self_attn.q_proj, [], engine.prefill
+    monkeypatch.setattr(engine, "prefill", lambda *args: seen.append(q_proj.weight.dtype) or real_prefill(*args))
 
     def rollout():
         return generate(model, prompts, 4, 40, eos_token_ids=list(range(1, 9)), pad_token_id=PAD, temperature=0.8,
@@ -96,6 +98,7 @@ def test_a_bf16_rollout_on_the_gpu_equals_autocast_at_every_call(monkeypatch):
     cast_once = rollout()
     monkeypatch.setattr(engine, "matmul_weights_in", lambda model, dtype: contextlib.nullcontext())
     autocast_each_call = rollout()
+    assert seen == [torch.bfloat16, torch.float32]  # the first rollout did cast, the second did not
     for field in ("completion_ids", "completion_mask", "sampling_logprobs"):
         assert torch.equal(getattr(cast_once, field), getattr(autocast_each_call, field)), field
     assert all(p.dtype == torch.float32 for p in model.parameters())

@@ -253,12 +253,20 @@ def test_bf16_rollout_of_an_fp32_model(decoder):
 def test_a_bf16_rollout_on_the_module_path_casts_the_layer_weights_once_with_autocasts_results(monkeypatch):
     """Off CPU (the module decoding step), dtype=bf16 holds the layers' nn.Linear weights and
     biases in bf16 for the rollout instead of letting autocast cast them at every call: the same
-    completions and log-probs, bit for bit; the model's own fp32 tensors are back afterwards, and
-    after a rollout that fails."""
+    completions and log-probs, bit for bit; the model's own fp32 parameters are back afterwards,
+    and after a rollout that fails."""
     monkeypatch.setattr(engine, "use_packed_decoder", lambda device: False)
     model = rlcore_model(make_hf_model("qwen2"))  # qkv biases: cast too
     q_proj = model.model.layers[0].self_attn.q_proj
-    own = {name: (p.data_ptr(), p.dtype) for name, p in model.named_parameters()}
+    own = {name: (p, p.data_ptr(), p.dtype) for name, p in model.named_parameters()}
+
+    def unchanged():  # the same Parameter objects (the optimizer's, with any hooks), data and dtype
+        return all(p is own[name][0] and (p.data_ptr(), p.dtype) == own[name][1:]
+                   for name, p in model.named_parameters())
+
+    fired = []  # a hook on q_proj.weight's gradient accumulator (held, as DDP holds its) survives rollouts
+    accumulator = q_proj.weight.view_as(q_proj.weight).grad_fn.next_functions[0][0]
+    accumulator.register_hook(lambda *grads: fired.append(1))
     seen = []
     real_prefill = engine.prefill
 
@@ -275,7 +283,7 @@ def test_a_bf16_rollout_on_the_module_path_casts_the_layer_weights_once_with_aut
 
     cast_once = rollout()
     assert seen == [(torch.bfloat16, torch.bfloat16, torch.float32)]  # embeddings and norms keep fp32
-    assert all((p.data_ptr(), p.dtype) == own[name] for name, p in model.named_parameters())
+    assert unchanged()
     monkeypatch.setattr(engine, "matmul_weights_in", lambda model, dtype: contextlib.nullcontext())
     autocast_each_call = rollout()
     assert seen[1] == (torch.float32, torch.float32, torch.float32)
@@ -287,7 +295,9 @@ def test_a_bf16_rollout_on_the_module_path_casts_the_layer_weights_once_with_aut
     with pytest.raises(RuntimeError, match="stopped mid-rollout"):
         rollout()
     assert seen[2][0] == torch.bfloat16
-    assert all((p.data_ptr(), p.dtype) == own[name] for name, p in model.named_parameters())
+    assert unchanged()
+    (q_proj.weight * 2).sum().backward()
+    assert fired == [1]
 
 
 def test_packed_decoder_casts_fp32_weights_as_converting_the_model_does():

@@ -106,22 +106,23 @@ def decoding_attention(device: torch.device):
 
 @contextlib.contextmanager
 def matmul_weights_in(model: Transformer, dtype: torch.dtype):
-    """Hold the decoder layers' nn.Linear weights and biases in `dtype` inside the block, and put
-    the model's own tensors back after it (also on error). Autocast to `dtype` casts exactly these
-    at every call, so the results are the same; on a GPU, where a decoding step is bound by
-    kernel launches, those casts made a bf16-autocast rollout of 64 x 512 tokens in Qwen2.5-0.5B's
-    shape take 14.2 s on an H200, against 10.7 s cast once. Costs a `dtype` copy of those weights
-    while the block runs."""
-    params = [p for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)
-              for p in m.parameters(recurse=False)]
-    own = [p.data for p in params]
+    """Give the decoder layers' nn.Linear modules `dtype` copies of their weights and biases
+    inside the block, and their own parameters back after it (also on error). Autocast to `dtype`
+    casts exactly these at each call, so the results are the same (the lm_head's weight, also the
+    embedding when tied, is left to autocast). On a GPU, where a decoding step is bound by kernel
+    launches, those casts made a bf16-autocast rollout of 64 x 512 tokens in Qwen2.5-0.5B's shape
+    take 14.2 s on an H200, against 10.7 s cast once. Costs a `dtype` copy of those weights while
+    the block runs. The parameters themselves are not touched (a dtype change through `.data`
+    would drop their gradient hooks): the modules hold the copies in their places."""
+    own = [(m, name, p) for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)
+           for name, p in m._parameters.items() if p is not None]
     try:
-        for p in params:
-            p.data = p.data.to(dtype)
+        for m, name, p in own:
+            m._parameters[name] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
         yield
     finally:
-        for p, data in zip(params, own):
-            p.data = data
+        for m, name, p in own:
+            m._parameters[name] = p
 
 
 def stop_hits(recent: torch.Tensor, eos: torch.Tensor,
