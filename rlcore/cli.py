@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -209,7 +210,8 @@ def run_command(argv: list[str] | None = None) -> int:
         report(f"rlcore: error: --resume {run}: no checkpoint there (no `latest` file){no_latest_hint(run)}")
         return 1
     t0 = time.time()
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    main_thread = threading.current_thread() is threading.main_thread()  # where Python runs signal handlers
+    previous = signal.signal(signal.SIGTERM, interrupt) if main_thread else None
     try:
         result = train(cfg, resume=args.resume)
     except RewardFunctionError as e:  # the user's function failed: its own frames, not rlcore's
@@ -232,7 +234,8 @@ def run_command(argv: list[str] | None = None) -> int:
                    "over"), file=sys.stderr)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
         distributed.close()  # under torchrun: before exit, not in the interpreter's teardown
     if launch_rank() != 0:  # under torchrun, rank 0 reports
         return 0
@@ -244,7 +247,9 @@ def run_command(argv: list[str] | None = None) -> int:
 
 def interrupt(signum, frame) -> None:
     """SIGTERM's handler during training: stop as Ctrl-C does, so that what is being written is
-    cleaned up (an embedded model's build directory) and the run says what it keeps."""
+    cleaned up (an embedded model's build directory) and the run says what it keeps. A second
+    SIGTERM (schedulers send more than one) is ignored, so it cannot cut that cleanup short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from rlcore.cli import main
+from rlcore.cli import interrupt, kept_checkpoint, main
 from test_train import NUM_EVAL, SEED, SMALL, cli_args, rows, weights
 
 pytestmark = pytest.mark.usefixtures("embedded_dir")  # conftest: the embedded model, one torch thread
@@ -160,11 +160,17 @@ def test_cli_sigterm_stops_the_run_as_ctrl_c_does(tmp_path, capsys, monkeypatch)
     assert main(cli_args(run, "train.max_steps=1")) == 0
 
     def terminated(*args, **kwargs):
+        assert signal.getsignal(signal.SIGTERM) is interrupt, "no handler: SIGTERM would end pytest itself"
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(30)  # the handler raises in here
         pytest.fail("SIGTERM did not stop the run")
 
+    def second_sigterm_while_reporting(run):  # schedulers send more than one: it must not cut the report short
+        os.kill(os.getpid(), signal.SIGTERM)
+        return kept_checkpoint(run)
+
     monkeypatch.setattr("rlcore.train.train", terminated)
+    monkeypatch.setattr("rlcore.cli.kept_checkpoint", second_sigterm_while_reporting)
     before = signal.getsignal(signal.SIGTERM)
     try:
         code = main(["train", "--resume", str(run), "--set", "train.max_steps=2"])
