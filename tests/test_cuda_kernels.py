@@ -5,11 +5,12 @@
   RLCORE_CUDA_KERNELS=0 keeps the twins on CUDA.
 - On a GPU (skipped without one): each kernel equals its twin on the same inputs (fp64 to 1e-12,
   fp32 to 1e-5 relative to the logits' scale), over vocabularies that do and do not fill a block,
-  logits up to +-60, temperatures and every option; `token_logprobs` through the kernels equals the
+  logits of standard deviation up to 60, temperatures and every option; `token_logprobs` through the kernels equals the
   fp64 definition, gradients included. `bash bench/gpu.sh` runs these with tests/test_gpu.py.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -42,8 +43,20 @@ def fresh_loader(monkeypatch):
 
 # ----------------------------------------------------------------------------- building and loading
 
+def nvcc_release() -> str | None:
+    """The CUDA release of the nvcc under CUDA_HOME ('13.0'), or None without one."""
+    nvcc = Path(CUDA_HOME) / "bin" / "nvcc"
+    if not nvcc.exists():
+        return None
+    out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True).stdout
+    found = re.search(r"release (\d+\.\d+)", out)
+    return found.group(1) if found else None
+
+
 @pytest.mark.skipif(torch.version.cuda is None, reason="torch is a CPU build: it cannot build CUDA extensions")
-@pytest.mark.skipif(not (Path(CUDA_HOME) / "bin" / "nvcc").exists(), reason=f"no nvcc under {CUDA_HOME}")
+@pytest.mark.skipif(nvcc_release() is None, reason=f"no nvcc under {CUDA_HOME}")
+@pytest.mark.skipif((nvcc_release() or "").split(".")[0] != (torch.version.cuda or "").split(".")[0],
+                    reason="nvcc's CUDA major version is not torch's: torch refuses to build with it")
 @pytest.mark.skipif(shutil.which("ninja") is None, reason="torch.utils.cpp_extension needs ninja")
 def test_the_kernels_compile(tmp_path):
     """The build a CUDA run does on first use, here for Hopper (sm_90), in a fresh cache."""
@@ -90,10 +103,13 @@ class TwinsAsKernels:
 
     def softmax_stats(self, z, targets, write_probs):
         self.calls.append("softmax_stats")
+        assert z.is_contiguous() and targets.is_contiguous(), "the kernel refuses strided inputs"
         return list(chunk_stats(z, targets, torch.empty_like(z), write_probs))
 
     def logit_grad_(self, z, targets, lse, entropy, g, g_h):
         self.calls.append("logit_grad_")
+        vectors = (targets, lse, entropy, g) + (() if g_h is None else (g_h,))
+        assert z.is_contiguous() and all(v.is_contiguous() for v in vectors), "the kernel refuses strided inputs"
         return chunk_grad_(z, targets, lse, entropy, g, g_h, None if g_h is None else torch.empty_like(z))
 
 
@@ -120,6 +136,20 @@ def test_token_logprobs_calls_the_kernels_as_their_contract_says(monkeypatch, re
         torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
     chunks = 6  # 21 rows in chunks of 4
     assert fake.calls == ["softmax_stats"] * chunks + (["logit_grad_"] * chunks if recompute else [])
+
+
+def test_strided_targets_reach_the_kernels_contiguous(monkeypatch):
+    """One completion token per row, sliced from wider ids (`ids[:, -1:]`): flattening that slice
+    is a strided view, which the kernels refuse; token_logprobs hands them a contiguous copy."""
+    monkeypatch.setattr(cuda, "kernels", lambda name, device: TwinsAsKernels())
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 1, 16, generator=g, dtype=torch.float64)
+    weight = torch.randn(50, 16, generator=g, dtype=torch.float64) * 0.5
+    targets = torch.randint(50, (3, 9), generator=g)[:, -1:]
+    assert not targets.reshape(-1).is_contiguous()
+    logp, ent = token_logprobs(hidden, weight, targets)
+    ref_logp, ref_ent = naive_fp64(hidden, weight, targets)
+    torch.testing.assert_close((logp, ent), (ref_logp, ref_ent), rtol=1e-12, atol=1e-12)
 
 
 # ----------------------------------------------------------------------------- the kernels on a GPU

@@ -6,9 +6,9 @@
 //   softmax_stats  <->  rlcore/losses/logprobs.py: chunk_stats
 //   logit_grad_    <->  rlcore/losses/logprobs.py: chunk_grad_
 //
-// softmax_stats reads each row once (the twin makes about eight passes: max, subtract, exp, sum,
-// gather, multiply, sum, divide). It keeps three running values per thread, in the manner of the
-// online softmax (Milakov and Gimelshein, 2018):
+// softmax_stats reads each row once, and once more to write the softmax when asked (the twin makes
+// about eight passes: max, subtract, exp, sum, gather, multiply, sum, divide). It keeps three
+// running values per thread, in the manner of the online softmax (Milakov and Gimelshein, 2018):
 //   m = max z seen,  s = sum exp(z - m),  t = sum exp(z - m) * (z - m),
 // so that  lse = m + log s,  logp = z[target] - lse,  entropy = log s - t / s
 // (H = -sum q log q with q = exp(z - m) / s and log q = z - m - log s). t is kept relative to the
