@@ -216,8 +216,10 @@ def run_command(argv: list[str] | None = None) -> int:
         result = train(cfg, resume=args.resume)
     except RewardFunctionError as e:  # the user's function failed: its own frames, not rlcore's
         kept = kept_checkpoint(run)
-        after = (f"{run} keeps {kept}: once the function is fixed, continue with {resume_command(run, world)}" if kept
-                 else "no checkpoint was written yet (train.save_steps), so a run started again starts over")
+        # train() checkpoints the round that failed, before it changed any weight (but the first)
+        after = (f"{run} keeps {kept}, the run as it was before the round that failed: once the function is fixed, "
+                 f"continue with {resume_command(run, world)}" if kept
+                 else "it failed in the run's first round, so there is no checkpoint: a run started again starts over")
         report(f"rlcore: error: {e}\n{e.trace}".rstrip("\n") + f"\nrlcore: {after}", e)
         return 1
     except (ValueError, TypeError, OSError, FloatingPointError) as e:

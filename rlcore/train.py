@@ -383,7 +383,26 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
             (run / "completions.jsonl").unlink(missing_ok=True)  # a crashed attempt's, before any checkpoint
             record_eval(run, 0, before)
 
+    def next_round() -> dict:
+        """Where the next round starts, besides the weights and the optimizer: what a checkpoint keeps."""
+        return {"data_pos": data_pos, "sampler": sampler.get_state(), "shuffler": shuffler.get_state(),
+                "torch": torch.get_rng_state()}
+
+    def checkpoint(at: dict) -> None:
+        """Save the run as it is at `step`, to continue from `at` (next_round's). Every rank calls it."""
+        distributed.check_replicas_agree(model, world)
+        samplers = distributed.gather_objects(at["sampler"], world)
+        if main:
+            state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "sampler_rng": samplers,
+                     "shuffler_rng": at["shuffler"], "torch_rng": at["torch"], "step": step,
+                     "data_pos": at["data_pos"], "nonfinite_total": bad_total, "nonfinite_in_row": bad_in_row,
+                     "before": before, "entropy_bonus": bonus.state_dict() if lc.use_adaptive_entropy else None}
+            synced = lc.sync_ref_model and step >= lc.ref_model_sync_steps
+            save_checkpoint(run, step, model, Path(model_dir), state, tc.save_total_limit, ref if synced else None)
+
+    saved = step  # the step of the newest checkpoint (0: none yet)
     while step < max_steps:
+        round_start = next_round()  # checkpointed if scoring fails (step 2), before the round changes any weight
         # 1. Rollout: G samples per prompt, token ids in and out. Every rank draws the same
         # round of prompts and samples the rows it owns (a group may straddle two ranks).
         t0 = clock(device)
@@ -418,7 +437,12 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                                   first_row=mine.start)
         except (ValueError, TypeError, RuntimeError) as e:  # RewardFunctionError is a RuntimeError
             failure = e
-        distributed.raise_together(failure, world)
+        try:
+            distributed.raise_together(failure, world)
+        except Exception:  # a fixed reward function then continues as if it had never failed
+            if step > saved:
+                checkpoint(round_start)
+            raise
         logged = distributed.concat_over_ranks(logged, world)  # every rank's log_metric values
         R = distributed.gather_rows(R.to(device), world)
         if main and R.isnan().all():
@@ -599,15 +623,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
             if main:
                 record_eval(run, step, accuracy)
         if (tc.save_steps and step % tc.save_steps < steps_per_round) or step >= max_steps:
-            distributed.check_replicas_agree(model, world)
-            samplers = distributed.gather_objects(sampler.get_state(), world)
-            if main:
-                state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "sampler_rng": samplers,
-                         "shuffler_rng": shuffler.get_state(), "torch_rng": torch.get_rng_state(), "step": step,
-                         "data_pos": data_pos, "nonfinite_total": bad_total, "nonfinite_in_row": bad_in_row,
-                         "before": before, "entropy_bonus": bonus.state_dict() if lc.use_adaptive_entropy else None}
-                synced = lc.sync_ref_model and step >= lc.ref_model_sync_steps
-                save_checkpoint(run, step, model, Path(model_dir), state, tc.save_total_limit, ref if synced else None)
+            checkpoint(next_round())
+            saved = step
 
     if main and step < round_end:
         print(f"note: max_steps={max_steps} ended the run inside a round of {steps_per_round} optimizer "

@@ -436,7 +436,7 @@ def test_a_diverged_run_is_an_error_not_a_traceback(tmp_path, capsys):
 def test_a_run_that_failed_before_its_first_checkpoint_says_how_to_start_over(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(cli_args(run, "train.max_steps=1", "loss.reward_funcs=['test_train:explode']")) == 1
-    assert "rlcore: no checkpoint was written yet (train.save_steps), so a run started again starts over" \
+    assert "rlcore: it failed in the run's first round, so there is no checkpoint: a run started again starts over" \
         in capsys.readouterr().err
     assert main(["train", "--resume", str(run)]) == 1
     assert (f"--resume {run}: no checkpoint there (no `latest` file); the run stopped before its first checkpoint "
@@ -460,8 +460,8 @@ def test_a_reward_function_failing_after_a_checkpoint_says_how_to_continue(tmp_p
     run = tmp_path / "run"
     assert main(cli_args(run, "train.max_steps=3", "train.save_steps=1",
                          f"loss.reward_funcs=['{__name__}:fails_from_step_2']")) == 1
-    assert f"rlcore: {run} keeps checkpoint-1: once the function is fixed, continue with rlcore train --resume {run}" \
-        in capsys.readouterr().err
+    assert (f"rlcore: {run} keeps checkpoint-1, the run as it was before the round that failed: once the function is "
+            f"fixed, continue with rlcore train --resume {run}") in capsys.readouterr().err
 
 
 def test_resume_of_a_trainer_output_directory_names_it_and_how_to_start_from_its_weights(tmp_path, capsys):

@@ -530,6 +530,40 @@ def test_resume_after_a_crash_matches_an_uninterrupted_run(tmp_path, capsys):
     assert len(completions[0]) == 4 * 16 and completions[0] == completions[1]  # the crash's rows dropped
 
 
+JUDGE = {"down_from_step": None}  # set by a test: the optimizer step from which `judge` fails
+
+
+def judge(prompts, completions, trainer_state, **columns):
+    """`first_digit` as scored by a remote judge, which may be down (JUDGE)."""
+    down = JUDGE["down_from_step"]
+    if down is not None and trainer_state.global_step >= down:
+        raise TimeoutError("the judge timed out")
+    return first_digit(prompts, completions)
+
+
+def test_a_reward_function_failing_mid_run_keeps_the_round_before_and_resumes_as_if_it_had_not(tmp_path, capsys,
+                                                                                              monkeypatch):
+    """No checkpoint is due (save_steps = 0, only at the end), and the reward function fails in
+    round 3: the run keeps checkpoint-2, the state before that round (weights, optimizer, the
+    round's data position and RNG states). Once it works again, --resume gives the weights,
+    metrics rows and completions of a run in which it never failed."""
+    steps = ["train.max_steps=4", f"loss.reward_funcs=['{__name__}:judge']", "train.log_completions=true",
+             "train.num_completions_to_print=0"]
+    assert main(cli_args(tmp_path / "a", *steps)) == 0
+    monkeypatch.setitem(JUDGE, "down_from_step", 2)
+    assert main(cli_args(tmp_path / "b", *steps)) == 1
+    assert latest_checkpoint(tmp_path / "b").name == "checkpoint-2"
+    assert "keeps checkpoint-2, the run as it was before the round that failed" in capsys.readouterr().err
+    monkeypatch.setitem(JUDGE, "down_from_step", None)
+    assert main(["train", "--resume", str(tmp_path / "b")]) == 0
+    a, b = weights(tmp_path / "a" / "checkpoint-4" / "model"), weights(tmp_path / "b" / "checkpoint-4" / "model")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(TIMING)}  # noqa: E731
+    assert [strip(r) for r in rows(tmp_path / "b")] == [strip(r) for r in rows(tmp_path / "a")]
+    completions = [(run / "completions.jsonl").read_text() for run in (tmp_path / "a", tmp_path / "b")]
+    assert completions[0] == completions[1]
+
+
 RESUMED_OPTIONS = {  # with test_train_options.py's synced reference and adaptive entropy control
     "sapo, constant schedule, top_p": ["loss.policy_loss=sapo", "train.lr_scheduler_type=constant",
                                        "rollout.top_p=0.9"],
