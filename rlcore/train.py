@@ -439,7 +439,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
             failure = e
         try:
             distributed.raise_together(failure, world)
-        except Exception:  # a fixed reward function then continues as if it had never failed
+        except Exception:  # the round has changed no weight: keep its start, to --resume once the function works
             if step > saved:
                 checkpoint(round_start)
             raise
