@@ -26,7 +26,8 @@ from rlcore.rollout import generate
 from rlcore.tokenizer import Tokenizer
 from rlcore.train import train
 from test_logprobs import naive_fp64
-from test_rollout import PAD, random_prompts, rlcore_model, training_logprobs
+from test_rollout import (PAD, assert_same_rollout, random_prompts, rlcore_model, spied_bf16_rollout,
+                          training_logprobs)
 from test_tokenizer import qwen2_pipeline_checkpoint
 from test_train import config, rows, weights
 
@@ -87,20 +88,12 @@ def test_a_bf16_rollout_on_the_gpu_equals_autocast_at_every_call(monkeypatch):
     """dtype=bf16 casts the layers' weights once per rollout (`engine.matmul_weights_in`); the
     completions and log-probs equal those of autocast casting them at every call, bit for bit."""
     model = rlcore_model(make_hf_model("qwen2")).to(CUDA)
-    prompts = random_prompts([6, 3, 11, 6], seed=1)
-    q_proj, seen, real_prefill = model.model.layers[0].self_attn.q_proj, [], engine.prefill
-    monkeypatch.setattr(engine, "prefill", lambda *args: seen.append(q_proj.weight.dtype) or real_prefill(*args))
-
-    def rollout():
-        return generate(model, prompts, 4, 40, eos_token_ids=list(range(1, 9)), pad_token_id=PAD, temperature=0.8,
-                        generator=torch.Generator(CUDA).manual_seed(0), dtype=torch.bfloat16)
-
+    rollout, seen = spied_bf16_rollout(model, monkeypatch)
     cast_once = rollout()
     monkeypatch.setattr(engine, "matmul_weights_in", lambda model, dtype: contextlib.nullcontext())
     autocast_each_call = rollout()
-    assert seen == [torch.bfloat16, torch.float32]  # the first rollout did cast, the second did not
-    for field in ("completion_ids", "completion_mask", "sampling_logprobs"):
-        assert torch.equal(getattr(cast_once, field), getattr(autocast_each_call, field)), field
+    assert [s[0] for s in seen] == [torch.bfloat16, torch.float32]  # the first rollout did cast, the second did not
+    assert_same_rollout(cast_once, autocast_each_call)
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 

@@ -250,6 +250,30 @@ def test_bf16_rollout_of_an_fp32_model(decoder):
     assert 1e-5 < diff.max().item() < 1e-2
 
 
+def spied_bf16_rollout(model, monkeypatch):
+    """A seeded bf16 rollout of `model` on its device, and the list each call's prefill appends the
+    dtypes of layer 0's q_proj weight and bias and of the lm_head weight to."""
+    q_proj, seen, real_prefill = model.model.layers[0].self_attn.q_proj, [], engine.prefill
+
+    def spying_prefill(*args):
+        seen.append((q_proj.weight.dtype, q_proj.bias.dtype, model.lm_head_weight.dtype))
+        return real_prefill(*args)
+
+    monkeypatch.setattr(engine, "prefill", spying_prefill)
+    prompts, device = random_prompts([6, 3, 11, 6], seed=1), model.inv_freq.device
+
+    def rollout():
+        return generate(model, prompts, 4, 40, eos_token_ids=list(range(1, 9)), pad_token_id=PAD, temperature=0.8,
+                        generator=torch.Generator(device).manual_seed(0), dtype=torch.bfloat16)
+
+    return rollout, seen
+
+
+def assert_same_rollout(a: Rollout, b: Rollout) -> None:
+    for field in ("completion_ids", "completion_mask", "sampling_logprobs"):
+        assert torch.equal(getattr(a, field), getattr(b, field)), field
+
+
 def test_a_bf16_rollout_on_the_module_path_casts_the_layer_weights_once_with_autocasts_results(monkeypatch):
     """Off CPU (the module decoding step), dtype=bf16 holds the layers' nn.Linear weights and
     biases in bf16 for the rollout instead of letting autocast cast them at every call: the same
@@ -267,28 +291,14 @@ def test_a_bf16_rollout_on_the_module_path_casts_the_layer_weights_once_with_aut
     fired = []  # a hook on q_proj.weight's gradient accumulator (held, as DDP holds its) survives rollouts
     accumulator = q_proj.weight.view_as(q_proj.weight).grad_fn.next_functions[0][0]
     accumulator.register_hook(lambda *grads: fired.append(1))
-    seen = []
-    real_prefill = engine.prefill
-
-    def spying_prefill(*args):
-        seen.append((q_proj.weight.dtype, q_proj.bias.dtype, model.lm_head_weight.dtype))
-        return real_prefill(*args)
-
-    monkeypatch.setattr(engine, "prefill", spying_prefill)
-    prompts = random_prompts([6, 3, 11, 6], seed=1)
-
-    def rollout():
-        return generate(model, prompts, 4, 40, eos_token_ids=list(range(1, 9)), pad_token_id=PAD,
-                        temperature=0.8, generator=torch.Generator().manual_seed(0), dtype=torch.bfloat16)
-
+    rollout, seen = spied_bf16_rollout(model, monkeypatch)
     cast_once = rollout()
     assert seen == [(torch.bfloat16, torch.bfloat16, torch.float32)]  # embeddings and norms keep fp32
     assert unchanged()
     monkeypatch.setattr(engine, "matmul_weights_in", lambda model, dtype: contextlib.nullcontext())
     autocast_each_call = rollout()
     assert seen[1] == (torch.float32, torch.float32, torch.float32)
-    for field in ("completion_ids", "completion_mask", "sampling_logprobs"):
-        assert torch.equal(getattr(cast_once, field), getattr(autocast_each_call, field)), field
+    assert_same_rollout(cast_once, autocast_each_call)
 
     monkeypatch.setattr(engine, "matmul_weights_in", matmul_weights_in)
     monkeypatch.setattr(engine, "sample", lambda *a: (_ for _ in ()).throw(RuntimeError("stopped mid-rollout")))

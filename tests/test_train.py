@@ -63,6 +63,18 @@ def weights(model_dir) -> dict[str, torch.Tensor]:
     return load_file(model_dir / "model.safetensors")
 
 
+def without_timing(row: dict) -> dict:
+    """A metrics row without what measures the process rather than the run (TIMING)."""
+    return {k: v for k, v in row.items() if not k.startswith(TIMING)}
+
+
+def assert_same_run(a: Path, b: Path, step: int) -> None:
+    """Run b trained as run a did: the same weights at checkpoint-`step`, the same metrics rows."""
+    wa, wb = (weights(run / f"checkpoint-{step}" / "model") for run in (a, b))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert [without_timing(r) for r in rows(b)] == [without_timing(r) for r in rows(a)]
+
+
 def first_digit(prompts, completions, **columns):
     """A reward any policy over digits can learn in a few steps, whatever the prompt, and one that
     varies within almost every group: the first character's digit value / 9 (0 for a non-digit)."""
@@ -361,10 +373,7 @@ def test_gradient_checkpointing_trains_to_the_same_weights(tmp_path, monkeypatch
         train(config(tmp_path / name, "train.max_steps=2", f"train.gradient_checkpointing={on}"))
         counts[name] = calls["n"]
     assert counts["recompute"] > counts["plain"] > 0
-    a, b = weights(tmp_path / "plain" / "checkpoint-2" / "model"), weights(tmp_path / "recompute" / "checkpoint-2" / "model")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(TIMING)}
-    assert [strip(r) for r in rows(tmp_path / "plain")] == [strip(r) for r in rows(tmp_path / "recompute")]
+    assert_same_run(tmp_path / "recompute", tmp_path / "plain", 2)
 
 
 @pytest.mark.parametrize("limit, kept", [("1", [3]), ("2", [2, 3]), ("4", [1, 2, 3]), ("none", [1, 2, 3])])
@@ -522,10 +531,7 @@ def test_resume_after_a_crash_matches_an_uninterrupted_run(tmp_path, capsys):
 
     assert main(["train", "--resume", str(tmp_path / "b")]) == 0
     assert "resumed from" in capsys.readouterr().out
-    a, b = weights(tmp_path / "a" / "checkpoint-4" / "model"), weights(tmp_path / "b" / "checkpoint-4" / "model")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(TIMING)}  # noqa: E731
-    assert [strip(r) for r in rows(tmp_path / "b")] == [strip(r) for r in rows(tmp_path / "a")]
+    assert_same_run(tmp_path / "a", tmp_path / "b", 4)
     completions = [(run / "completions.jsonl").read_text().splitlines() for run in (tmp_path / "a", tmp_path / "b")]
     assert len(completions[0]) == 4 * 16 and completions[0] == completions[1]  # the crash's rows dropped
 
@@ -556,10 +562,7 @@ def test_a_reward_function_failing_mid_run_keeps_the_round_before_and_resumes_as
     assert "keeps checkpoint-2, the run as it was before the round that failed" in capsys.readouterr().err
     monkeypatch.setitem(JUDGE, "down_from_step", None)
     assert main(["train", "--resume", str(tmp_path / "b")]) == 0
-    a, b = weights(tmp_path / "a" / "checkpoint-4" / "model"), weights(tmp_path / "b" / "checkpoint-4" / "model")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(TIMING)}  # noqa: E731
-    assert [strip(r) for r in rows(tmp_path / "b")] == [strip(r) for r in rows(tmp_path / "a")]
+    assert_same_run(tmp_path / "a", tmp_path / "b", 4)
     completions = [(run / "completions.jsonl").read_text() for run in (tmp_path / "a", tmp_path / "b")]
     assert completions[0] == completions[1]
 
@@ -590,10 +593,7 @@ def test_resume_after_a_crash_matches_an_uninterrupted_run_with_other_options(ca
     run_and_crash(tmp_path, steps, crash_step=last)
     assert latest_checkpoint(tmp_path / "b").name == f"checkpoint-{last // 2}"
     assert main(["train", "--resume", str(tmp_path / "b")]) == 0
-    a, b = (weights(tmp_path / run / f"checkpoint-{last}" / "model") for run in "ab")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(TIMING)}  # noqa: E731
-    assert [strip(r) for r in rows(tmp_path / "b")] == [strip(r) for r in rows(tmp_path / "a")]
+    assert_same_run(tmp_path / "a", tmp_path / "b", last)
 
 
 def test_a_run_started_from_python_resumes_from_the_command_line_with_its_own_config(tmp_path):
@@ -935,10 +935,7 @@ def test_two_ranks_train_one_run_in_sync_and_resume(tmp_path):
     out = torchrun(tmp_path, str(tmp_path / "calls"), *cli_args(whole, "train.max_steps=3", *options),
                    script=tmp_path / "record.py")
     assert out.returncode == 0, out.stderr[-3000:]
-    a, b = weights(whole / "checkpoint-3" / "model"), weights(run / "checkpoint-3" / "model")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(TIMING)}  # noqa: E731
-    assert [strip(r) for r in rows(run)] == [strip(r) for r in rows(whole)]
+    assert_same_run(whole, run, 3)
     assert (run / "completions.jsonl").read_text() == (whole / "completions.jsonl").read_text()
     calls = [[json.loads(ln) for ln in (tmp_path / "calls" / f"rank{r}.jsonl").read_text().splitlines()]
              for r in (0, 1)]

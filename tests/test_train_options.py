@@ -17,7 +17,7 @@ import rlcore.train
 from rlcore.checkpoint import latest_checkpoint
 from rlcore.cli import main
 from rlcore.train import train
-from test_train import TIMING, cli_args, config, rows, run_and_crash, torchrun, weights
+from test_train import cli_args, config, rows, run_and_crash, torchrun, weights, without_timing
 
 pytestmark = pytest.mark.usefixtures("embedded_dir")  # conftest: the embedded model, one torch thread
 
@@ -48,8 +48,7 @@ def test_generation_batch_size_runs_the_rounds_steps_per_generation_would(tmp_pa
     runs = {"gbs": "generation_batch_size=32", "spg": "train.steps_per_generation=2"}
     for name, option in runs.items():
         train(config(tmp_path / name, "train.max_steps=2", option))
-    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(TIMING)}  # noqa: E731
-    got = [[strip(r) for r in rows(tmp_path / name)] for name in runs]
+    got = [[without_timing(r) for r in rows(tmp_path / name)] for name in runs]
     assert got[0] == got[1] and [r["kl_old/k1"] != 0 for r in got[0]] == [False, True]  # step 2 off-policy
 
 
