@@ -86,6 +86,50 @@ def test_a_failed_build_warns_once_and_the_twin_runs(monkeypatch):
     assert calls == ["token_logprobs"]
 
 
+@pytest.fixture
+def no_compiling(monkeypatch, tmp_path):
+    """cpp_extension.load records where it would build instead of building; the cache is tmp_path."""
+    from torch.utils import cpp_extension
+
+    loads = []
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: loads.append(kw) or "module")
+    return loads
+
+
+def test_a_lock_left_by_a_killed_build_is_removed(no_compiling, tmp_path):
+    """torch waits forever, silently, on a build lock that a killed build left behind."""
+    lock = tmp_path / "rlcore_token_logprobs" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    old = lock.stat().st_mtime - (cuda.STALE_LOCK_MINUTES + 1) * 60
+    os.utime(lock, (old, old))
+    with pytest.warns(RlcoreWarning, match=rf"removed {re.escape(str(lock))}, left 21 minutes ago by a build .* did not "
+                                           r"finish"):
+        assert cuda.build("token_logprobs") == "module"
+    assert not lock.exists()
+    assert no_compiling[0]["build_directory"] == str(lock.parent)
+
+
+def test_a_build_in_progress_is_waited_on_by_name(no_compiling, tmp_path, capsys):
+    lock = tmp_path / "rlcore_token_logprobs" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cuda.build("token_logprobs") == "module"
+    assert lock.exists()  # another process is building: torch's load() waits for it
+    assert f"waiting for another process's build of the CUDA kernels (it holds {lock}" in capsys.readouterr().err
+
+
+def test_a_build_without_a_lock_says_nothing(no_compiling, tmp_path, capsys):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cuda.build("token_logprobs") == "module"
+    assert capsys.readouterr().err == ""
+    assert no_compiling[0]["name"] == "rlcore_token_logprobs"
+
+
 @pytest.mark.usefixtures("fresh_loader")
 def test_no_kernels_on_cpu_or_when_switched_off(monkeypatch):
     monkeypatch.setattr(cuda, "build", lambda *a, **k: pytest.fail("nothing should be built"))

@@ -9,12 +9,18 @@ oracle; a CUDA run without a compiler gets the twin, with one warning saying why
 The first CUDA call builds the extension into torch's extension cache (~/.cache/torch_extensions,
 or $TORCH_EXTENSIONS_DIR) for the GPU at hand, which takes about a minute; later runs load it.
 Set RLCORE_CUDA_KERNELS=0 to run the twins on CUDA too.
+
+While it builds, torch holds a lock file in the build directory, and every other process that
+wants the extension waits until it is gone, without a word. A build that is killed
+(SIGKILL, the OOM killer, a preempted job) leaves the file behind, so `build` removes a lock
+older than `STALE_LOCK_MINUTES`, with a warning, and names the lock it waits on otherwise.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -25,6 +31,7 @@ from rlcore import RlcoreWarning
 
 SOURCES = {"token_logprobs": Path(__file__).with_name("token_logprobs.cu")}
 _loaded: dict[str, ModuleType | None] = {}
+STALE_LOCK_MINUTES = 20  # a build takes about a minute (66 s on an H200's host)
 
 
 def build(name: str, verbose: bool = False) -> ModuleType:
@@ -32,8 +39,36 @@ def build(name: str, verbose: bool = False) -> ModuleType:
     build fails; set TORCH_CUDA_ARCH_LIST to build on a machine without a GPU."""
     from torch.utils import cpp_extension
 
-    return cpp_extension.load(name=f"rlcore_{name}", sources=[str(SOURCES[name])],
+    # The directory load() would pick (torch's private helper, there since torch 1.x).
+    find_dir = getattr(cpp_extension, "_get_build_directory", None)
+    build_dir = find_dir(f"rlcore_{name}", verbose) if find_dir else None
+    if build_dir:
+        clear_stale_lock(Path(build_dir) / "lock")
+    return cpp_extension.load(name=f"rlcore_{name}", sources=[str(SOURCES[name])], build_directory=build_dir,
                               extra_cuda_cflags=["-O3"], verbose=verbose)
+
+
+def clear_stale_lock(lock: Path) -> None:
+    """Remove torch's build lock `lock` if a killed build left it (older than STALE_LOCK_MINUTES);
+    otherwise say that this process waits on it (another process is building)."""
+    try:
+        seen = lock.stat()
+    except FileNotFoundError:
+        return
+    age = time.time() - seen.st_mtime
+    if age < STALE_LOCK_MINUTES * 60:
+        print(f"rlcore: waiting for another process's build of the CUDA kernels (it holds {lock}, "
+              f"{age:.0f} s old); if no process is building them, delete that file", file=sys.stderr, flush=True)
+        return
+    try:
+        if lock.stat().st_ino != seen.st_ino:  # another process has just replaced it with its own
+            return
+        lock.unlink()
+    except FileNotFoundError:
+        return
+    warnings.warn(f"removed {lock}, left {age / 60:.0f} minutes ago by a build of rlcore's CUDA kernels that did not "
+                  f"finish (killed, or its machine stopped): torch would have waited on it forever",
+                  RlcoreWarning, stacklevel=3)
 
 
 def kernels(name: str, device: torch.device) -> ModuleType | None:
