@@ -97,11 +97,17 @@ def no_compiling(monkeypatch, tmp_path):
     return loads
 
 
-def test_a_lock_left_by_a_killed_build_is_removed(no_compiling, tmp_path):
-    """torch waits forever, silently, on a build lock that a killed build left behind."""
-    lock = tmp_path / "rlcore_token_logprobs" / "lock"
+def build_lock(cache: Path) -> Path:
+    """The lock file torch's load() holds while it builds rlcore's kernels in `cache`."""
+    lock = cache / "rlcore_token_logprobs" / "lock"
     lock.parent.mkdir()
     lock.touch()
+    return lock
+
+
+def test_a_lock_left_by_a_killed_build_is_removed(no_compiling, tmp_path):
+    """torch waits forever, silently, on a build lock that a killed build left behind."""
+    lock = build_lock(tmp_path)
     old = lock.stat().st_mtime - (cuda.STALE_LOCK_MINUTES + 1) * 60
     os.utime(lock, (old, old))
     with pytest.warns(RlcoreWarning, match=rf"removed {re.escape(str(lock))}, left 21 minutes ago by a build .* did not "
@@ -112,9 +118,7 @@ def test_a_lock_left_by_a_killed_build_is_removed(no_compiling, tmp_path):
 
 
 def test_a_build_in_progress_is_waited_on_by_name(no_compiling, tmp_path, capsys):
-    lock = tmp_path / "rlcore_token_logprobs" / "lock"
-    lock.parent.mkdir()
-    lock.touch()
+    lock = build_lock(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert cuda.build("token_logprobs") == "module"
