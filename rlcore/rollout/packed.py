@@ -19,9 +19,11 @@ ordinary matmul on the unpacked weights, slower than packing for that count (ben
 131 slots: 34-37 / 33-35 / 27-32 ms per step at 56 / 48 / 32 rows packed for 64, against 28 /
 25-26 / 19-20 ms packed for each), so the engine calls `repack` after it drops finished rows.
 
-Measured on this project's 2-core CPU (benchmark model, 64 rows, 131 cached slots): 43-48 ms
+Measured on this project's 2-core Intel CPU (benchmark model, 64 rows, 131 cached slots): 43-48 ms
 per step against 54-60 ms through the `nn.Module` forward (a throwaway per-step timing on
-bench/rollout.py's model; the bench itself prints whole-rollout tokens/s).
+bench/rollout.py's model; the bench itself prints whole-rollout tokens/s). On the project's AMD
+EPYC machine (AVX2) the same step takes about 71 ms, and `weight @ x.T` products would take it to
+63 ms with the same bits (README, Benchmarks); not adopted, as it was never measured on Intel.
 """
 
 from __future__ import annotations
