@@ -221,13 +221,17 @@ def next_prompts(examples: list[dict], pos: int, n: int, seed: int) -> list[dict
     return out
 
 
+EVAL_PROGRESS_AFTER_S = 10.0  # a held-out evaluation running longer than this reports each batch
+
+
 @torch.no_grad()
 def evaluate(model, tok: Tokenizer, examples: list[dict], accuracy_fn, max_new_tokens: int,
              batch_size: int = 128, rank: int = 0, world: int = 1, device: torch.device | None = None) -> float:
     """Held-out greedy accuracy: the fraction of prompts whose greedy answer scores 1. Each of
-    the `world` ranks answers every world-th prompt; every rank must call it."""
+    the `world` ranks answers every world-th prompt; every rank must call it. Rank 0 prints a
+    line per batch once the evaluation has run EVAL_PROGRESS_AFTER_S (a real model on CPU)."""
     correct, columns = 0.0, dataset_columns(examples)
-    mine = examples[rank::world]
+    mine, start = examples[rank::world], time.perf_counter()
     for i in range(0, len(mine), batch_size):
         chunk = mine[i:i + batch_size]
         ro = generate(model, [ex["prompt_ids"] for ex in chunk], 1, max_new_tokens,
@@ -235,6 +239,10 @@ def evaluate(model, tok: Tokenizer, examples: list[dict], accuracy_fn, max_new_t
         prompts, completions, values = reward_inputs(chunk, decode_completions(tok, ro), columns)
         scores = accuracy_fn(prompts=prompts, completions=completions, **values)
         correct += sum(1.0 for s in scores if s is not None and s >= 1.0)
+        done, elapsed = i + len(chunk), time.perf_counter() - start
+        if rank == 0 and done < len(mine) and elapsed > EVAL_PROGRESS_AFTER_S:
+            share = f" (rank 0's share of {len(examples)})" if world > 1 else ""
+            print(f"  held-out eval: {done}/{len(mine)} prompts{share}, {elapsed:.0f}s", flush=True)
     return distributed.sum_over_ranks([correct], world, device)[0] / max(1, len(examples))
 
 

@@ -876,6 +876,22 @@ def _evaluate_on_rank(rank, init_file, out_dir, model_dir):
     exit_spawned_rank()  # conftest: without it, 1 run in ~30 aborted as the process exited
 
 
+def test_a_long_evaluation_reports_each_batch(embedded_dir, monkeypatch, capsys):
+    import rlcore.train
+    from rlcore.train import evaluate
+
+    tok = Tokenizer.from_dir(embedded_dir)
+    examples = [{"prompt": f"{i}+{i}=", "prompt_ids": tok.encode(f"{i}+{i}=")} for i in range(11)]
+    model = load_model(embedded_dir)
+    even = lambda prompts, completions, **columns: [float(int(p.rstrip("=")[-1]) % 2 == 0) for p in prompts]  # noqa: E731
+    assert evaluate(model, tok, examples, even, 4, batch_size=4) == 6 / 11
+    assert capsys.readouterr().out == ""  # a second's evaluation says nothing
+    monkeypatch.setattr(rlcore.train, "EVAL_PROGRESS_AFTER_S", -1.0)  # as if each batch took long
+    assert evaluate(model, tok, examples, even, 4, batch_size=4) == 6 / 11
+    lines = capsys.readouterr().out.splitlines()
+    assert [re.sub(r", \d+s$", "", ln) for ln in lines] == ["  held-out eval: 4/11 prompts", "  held-out eval: 8/11 prompts"]
+
+
 def test_two_ranks_evaluate_half_the_prompts_each_and_report_the_whole(tmp_path, embedded_dir):
     import torch.multiprocessing as mp
 
