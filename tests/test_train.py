@@ -857,20 +857,31 @@ def torchrun(tmp_path, *args, script=None):
 
 
 def _evaluate_on_rank(rank, init_file, out_dir, model_dir):
-    """`evaluate` on one of 2 gloo ranks, with an accuracy function that scores by prompt (the
-    prompts ending in an even number) and records the prompts it was given."""
+    """`evaluate` on one of 2 gloo ranks, in batches of 4, with an accuracy function that scores
+    by prompt (the prompts ending in an even number) and records the prompts it was given; the
+    progress lines (every batch, as if each took long) go to printed{rank}.txt."""
+    import contextlib
+    import io
+
     import torch.distributed as dist
 
+    import rlcore.train
     from rlcore.train import evaluate
 
+    seen = []
+
     def accuracy(prompts, completions, **columns):
-        (Path(out_dir) / f"seen{rank}.json").write_text(json.dumps(prompts))
+        seen.extend(prompts)
         return [1.0 if int(p.rstrip("=")[-1]) % 2 == 0 else 0.0 for p in prompts]
 
     tok = Tokenizer.from_dir(model_dir)
     examples = [{"prompt": f"{i}+{i}=", "prompt_ids": tok.encode(f"{i}+{i}=")} for i in range(11)]
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    got = evaluate(load_model(model_dir), tok, examples, accuracy, 4, rank=rank, world=2)
+    rlcore.train.EVAL_PROGRESS_AFTER_S = -1.0
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        got = evaluate(load_model(model_dir), tok, examples, accuracy, 4, batch_size=4, rank=rank, world=2)
+    (Path(out_dir) / f"seen{rank}.json").write_text(json.dumps(seen))
+    (Path(out_dir) / f"printed{rank}.txt").write_text(printed.getvalue())
     (Path(out_dir) / f"accuracy{rank}.json").write_text(json.dumps(got))
     dist.destroy_process_group()
     exit_spawned_rank()  # conftest: without it, 1 run in ~30 aborted as the process exited
@@ -899,6 +910,8 @@ def test_two_ranks_evaluate_half_the_prompts_each_and_report_the_whole(tmp_path,
     seen = [json.loads((tmp_path / f"seen{rank}.json").read_text()) for rank in (0, 1)]
     assert sorted(seen[0] + seen[1]) == sorted(f"{i}+{i}=" for i in range(11)) and len(seen[0]) == 6
     assert [json.loads((tmp_path / f"accuracy{rank}.json").read_text()) for rank in (0, 1)] == [6 / 11] * 2
+    printed = [(tmp_path / f"printed{rank}.txt").read_text() for rank in (0, 1)]
+    assert re.fullmatch(r"  held-out eval: 4/6 prompts \(rank 0's share of 11\), \d+s\n", printed[0]) and printed[1] == ""
 
 
 RECORD_AGGREGATE_LOSS = """
