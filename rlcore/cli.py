@@ -125,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     shown = set()  # the warnings this command has printed
     with warnings.catch_warnings():
         warnings.showwarning = lambda *args, **kwargs: plain_warnings(*args, **kwargs, shown=shown)
-        return run_command(argv)
+        code = run_command(argv)
+    distributed = sys.modules.get("rlcore.distributed")  # imported only by commands that may start a process group
+    return code if distributed is None else distributed.leave(code)  # a torchrun rank exits here
 
 
 def run_command(argv: list[str] | None = None) -> int:

@@ -2,6 +2,8 @@
 the ranks'), and the embedded default built once."""
 
 import os
+import subprocess
+import sys
 
 import torch
 import torch.distributed as dist
@@ -85,3 +87,20 @@ def test_rank_0_builds_the_embedded_model_while_the_others_wait(tmp_path):
     build files under them: the first torchrun of the default failed."""
     mp.spawn(_embedded_dir_on_rank, args=(str(tmp_path / "init"), str(tmp_path), str(tmp_path / "cache")), nprocs=2)
     assert [(tmp_path / f"{rank}.txt").read_text() for rank in (0, 1)] == ["built", "cached"]
+
+
+LEAVE = """
+import atexit, sys
+from rlcore import distributed
+assert distributed.leave(5) == 5  # no process group in this process: the status comes back
+distributed._ended_group = True  # as after close() under torchrun
+atexit.register(lambda: print("atexit handler ran"))
+print("output before", end="")
+distributed.leave(3)
+print("not reached")
+"""
+
+
+def test_a_rank_leaves_with_its_status_after_the_atexit_handlers_and_flushed_output():
+    out = subprocess.run([sys.executable, "-c", LEAVE], capture_output=True, text=True)
+    assert (out.returncode, out.stdout, out.stderr) == (3, "output beforeatexit handler ran\n", "")

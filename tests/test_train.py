@@ -915,7 +915,7 @@ def test_two_ranks_evaluate_half_the_prompts_each_and_report_the_whole(tmp_path,
 
 
 RECORD_AGGREGATE_LOSS = """
-import json, os, sys
+import atexit, json, os, sys
 import rlcore.train
 from rlcore.cli import main
 
@@ -929,6 +929,8 @@ def aggregate_loss(per_token, mask, loss_type, **kwargs):
     return loss
 
 rlcore.train.aggregate_loss = aggregate_loss
+# a torchrun rank leaves without the interpreter's teardown (distributed.leave), but after the atexit handlers
+atexit.register(lambda: open(os.path.join(sys.argv[1], "atexit" + os.environ["RANK"]), "w").close())
 sys.exit(main(sys.argv[2:]))
 """
 
@@ -969,6 +971,7 @@ def test_two_ranks_train_one_run_in_sync_and_resume(tmp_path):
     calls = [[json.loads(ln) for ln in (tmp_path / "calls" / f"rank{r}.jsonl").read_text().splitlines()]
              for r in (0, 1)]
     assert [len(c) for c in calls] == [3 * 2, 3 * 2]  # 3 steps of GA = 2 micro-batches on each rank
+    assert (tmp_path / "calls" / "atexit0").exists() and (tmp_path / "calls" / "atexit1").exists()
     for step, row in enumerate(rows(whole)):
         parts = [c for rank in calls for c in rank[2 * step:2 * step + 2]]
         step_tokens = sum(c["tokens"] for c in parts)
