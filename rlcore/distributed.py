@@ -55,8 +55,8 @@ def leave(code: int) -> int:
     In that teardown a gloo worker thread can still be dropping the last collective's work, whose
     tensor has a Python object: the GIL it takes there ends the process with 'terminate called
     without an active exception' (SIGABRT), a failed job after a run that finished. A core dump
-    showed it; ending the process group first, and a barrier before that, make it rarer but not
-    impossible (about 1 run in 60 of a 2-rank test), skipping the teardown does (0 in 140).
+    showed it. Ending the process group first, with a barrier before that, makes it rarer but not
+    impossible (about 1 run in 60 of a 2-rank test); skipping the teardown removed it (0 in 140).
     Files a reward function left open and unflushed are not flushed then: close them."""
     if not _ended_group:
         return code
