@@ -385,7 +385,7 @@ def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep
         fsync_dir(tmp)
     except (OSError, SafetensorError, RuntimeError) as e:  # no space, file too large, I/O error (torch: RuntimeError)
         shutil.rmtree(tmp, ignore_errors=True)  # give the space back
-        kept = (run / "latest").read_text().strip() if (run / "latest").is_file() else None
+        kept = kept_checkpoint(run)
         raise OSError(f"could not write checkpoint {final} ({type(e).__name__}: {e}); " +
                       (f"{run / kept} is intact: make room, then continue with --resume {run}" if kept else
                        "no earlier checkpoint exists: make room and start again")) from e
@@ -413,6 +413,11 @@ def checkpoints(run: Path) -> list[Path]:
     return sorted((p for p in run.glob("checkpoint-*")
                    if p.name.removeprefix("checkpoint-").isdigit() and (p / "trainer_state.pt").is_file()),
                   key=checkpoint_step)
+
+
+def kept_checkpoint(run: Path) -> str | None:
+    """The checkpoint a run directory's `latest` names (what a --resume continues from), or None."""
+    return (run / "latest").read_text().strip() if (run / "latest").is_file() else None
 
 
 def latest_checkpoint(run: Path) -> Path:

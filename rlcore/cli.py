@@ -78,11 +78,6 @@ def plain_warnings(message, category, filename, lineno, file=None, line=None, *,
     _default(message, category, filename, lineno, file, line)
 
 
-def kept_checkpoint(run: Path) -> str | None:
-    """The checkpoint a run directory's `latest` names (what a --resume continues from), or None."""
-    return (run / "latest").read_text().strip() if (run / "latest").is_file() else None
-
-
 def no_latest_hint(run: Path) -> str:
     """What a --resume directory without a `latest` file is instead: one of rlcore's checkpoints, a
     run that stopped before its first save, or a transformers Trainer's (TRL's) output."""
@@ -152,7 +147,7 @@ def run_command(argv: list[str] | None = None) -> int:
         print(options_table())
         return 0
 
-    from rlcore.checkpoint import recorded_ranks, resume_command
+    from rlcore.checkpoint import kept_checkpoint, recorded_ranks, resume_command
 
     world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
     run_config = None  # the run's own config.toml, read back by --resume

@@ -13,7 +13,8 @@ import time
 import pytest
 import torch
 
-from rlcore.cli import interrupt, kept_checkpoint, main
+from rlcore.checkpoint import kept_checkpoint
+from rlcore.cli import interrupt, main
 from test_train import NUM_EVAL, SEED, SMALL, cli_args, rows, weights
 
 pytestmark = pytest.mark.usefixtures("embedded_dir")  # conftest: the embedded model, one torch thread
@@ -170,7 +171,7 @@ def test_cli_sigterm_stops_the_run_as_ctrl_c_does(tmp_path, capsys, monkeypatch)
         return kept_checkpoint(run)
 
     monkeypatch.setattr("rlcore.train.train", terminated)
-    monkeypatch.setattr("rlcore.cli.kept_checkpoint", second_sigterm_while_reporting)
+    monkeypatch.setattr("rlcore.checkpoint.kept_checkpoint", second_sigterm_while_reporting)
     before = signal.getsignal(signal.SIGTERM)
     try:
         code = main(["train", "--resume", str(run), "--set", "train.max_steps=2"])

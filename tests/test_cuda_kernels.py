@@ -110,8 +110,8 @@ def test_a_lock_left_by_a_killed_build_is_removed(no_compiling, tmp_path):
     lock = build_lock(tmp_path)
     old = lock.stat().st_mtime - (cuda.STALE_LOCK_MINUTES + 1) * 60
     os.utime(lock, (old, old))
-    with pytest.warns(RlcoreWarning, match=rf"removed {re.escape(str(lock))}, left 21 minutes ago by a build .* did not "
-                                           r"finish"):
+    removed = rf"removed {re.escape(str(lock))}, left 21 minutes ago by a build .* did not finish"
+    with pytest.warns(RlcoreWarning, match=removed):
         assert cuda.build("token_logprobs") == "module"
     assert not lock.exists()
     assert no_compiling[0]["build_directory"] == str(lock.parent)

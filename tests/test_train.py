@@ -856,6 +856,16 @@ def torchrun(tmp_path, *args, script=None):
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
+def doubling_examples(tok: Tokenizer) -> list[dict]:
+    """Eleven held-out examples, "0+0=" .. "10+10=", six of which end in an even digit."""
+    return [{"prompt": f"{i}+{i}=", "prompt_ids": tok.encode(f"{i}+{i}=")} for i in range(11)]
+
+
+def ends_even(prompts, completions, **columns):
+    """An accuracy function that scores by prompt: 1 when the prompt's last digit is even."""
+    return [1.0 if int(p.rstrip("=")[-1]) % 2 == 0 else 0.0 for p in prompts]
+
+
 def _evaluate_on_rank(rank, init_file, out_dir, model_dir):
     """`evaluate` on one of 2 gloo ranks, in batches of 4, with an accuracy function that scores
     by prompt (the prompts ending in an even number) and records the prompts it was given; the
@@ -872,10 +882,10 @@ def _evaluate_on_rank(rank, init_file, out_dir, model_dir):
 
     def accuracy(prompts, completions, **columns):
         seen.extend(prompts)
-        return [1.0 if int(p.rstrip("=")[-1]) % 2 == 0 else 0.0 for p in prompts]
+        return ends_even(prompts, completions)
 
     tok = Tokenizer.from_dir(model_dir)
-    examples = [{"prompt": f"{i}+{i}=", "prompt_ids": tok.encode(f"{i}+{i}=")} for i in range(11)]
+    examples = doubling_examples(tok)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     rlcore.train.EVAL_PROGRESS_AFTER_S = -1.0
     with contextlib.redirect_stdout(io.StringIO()) as printed:
@@ -892,15 +902,14 @@ def test_a_long_evaluation_reports_each_batch(embedded_dir, monkeypatch, capsys)
     from rlcore.train import evaluate
 
     tok = Tokenizer.from_dir(embedded_dir)
-    examples = [{"prompt": f"{i}+{i}=", "prompt_ids": tok.encode(f"{i}+{i}=")} for i in range(11)]
-    model = load_model(embedded_dir)
-    even = lambda prompts, completions, **columns: [float(int(p.rstrip("=")[-1]) % 2 == 0) for p in prompts]  # noqa: E731
-    assert evaluate(model, tok, examples, even, 4, batch_size=4) == 6 / 11
+    examples, model = doubling_examples(tok), load_model(embedded_dir)
+    assert evaluate(model, tok, examples, ends_even, 4, batch_size=4) == 6 / 11
     assert capsys.readouterr().out == ""  # a second's evaluation says nothing
     monkeypatch.setattr(rlcore.train, "EVAL_PROGRESS_AFTER_S", -1.0)  # as if each batch took long
-    assert evaluate(model, tok, examples, even, 4, batch_size=4) == 6 / 11
+    assert evaluate(model, tok, examples, ends_even, 4, batch_size=4) == 6 / 11
     lines = capsys.readouterr().out.splitlines()
-    assert [re.sub(r", \d+s$", "", ln) for ln in lines] == ["  held-out eval: 4/11 prompts", "  held-out eval: 8/11 prompts"]
+    assert [re.sub(r", \d+s$", "", ln) for ln in lines] == ["  held-out eval: 4/11 prompts",
+                                                             "  held-out eval: 8/11 prompts"]
 
 
 def test_two_ranks_evaluate_half_the_prompts_each_and_report_the_whole(tmp_path, embedded_dir):
@@ -911,7 +920,8 @@ def test_two_ranks_evaluate_half_the_prompts_each_and_report_the_whole(tmp_path,
     assert sorted(seen[0] + seen[1]) == sorted(f"{i}+{i}=" for i in range(11)) and len(seen[0]) == 6
     assert [json.loads((tmp_path / f"accuracy{rank}.json").read_text()) for rank in (0, 1)] == [6 / 11] * 2
     printed = [(tmp_path / f"printed{rank}.txt").read_text() for rank in (0, 1)]
-    assert re.fullmatch(r"  held-out eval: 4/6 prompts \(rank 0's share of 11\), \d+s\n", printed[0]) and printed[1] == ""
+    assert re.fullmatch(r"  held-out eval: 4/6 prompts \(rank 0's share of 11\), \d+s\n", printed[0])
+    assert printed[1] == ""
 
 
 RECORD_AGGREGATE_LOSS = """
