@@ -1,13 +1,14 @@
 """What a run records besides its checkpoints: the metrics row of each step (micro-batches and
-ranks combined), the progress line, held-out accuracy in eval.jsonl, and the completions of each
-round in completions.jsonl (train.log_completions). Rank 0 writes; `reduce_metrics` is called
-on every rank.
+ranks combined), the progress line, how far long work has got (`Progress`), held-out accuracy
+in eval.jsonl, and the completions of each round in completions.jsonl (train.log_completions).
+Rank 0 writes; `reduce_metrics` is called on every rank.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -45,6 +46,26 @@ def reduce_metrics(parts: list[dict], world: int = 1, device: torch.device | Non
     out.update(zip(maxes, peaks))
     out.update({k: -v for k, v in zip(mins, peaks[len(maxes):])})
     return out
+
+
+PROGRESS_AFTER_S = 10.0  # work running longer than this says how far it has got, at most once per this
+
+
+class Progress:
+    """How far a long piece of work has got, for a step or an evaluation that takes minutes (a
+    real model on CPU) and would otherwise print nothing until it ends. `report(what)` prints
+    `  <label>: <what>, <seconds>s` once the work has run PROGRESS_AFTER_S, then at most once
+    every PROGRESS_AFTER_S; quick work prints nothing. Only where `enabled` (rank 0)."""
+
+    def __init__(self, label: str, enabled: bool = True):
+        self.label, self.enabled = label, enabled
+        self.start = self.last = time.perf_counter()
+
+    def report(self, what: str) -> None:
+        now = time.perf_counter()
+        if self.enabled and now - self.last > PROGRESS_AFTER_S:
+            print(f"  {self.label}: {what}, {now - self.start:.0f}s", flush=True)
+            self.last = now
 
 
 def log_line(step: int, max_steps: int, m: dict) -> str:

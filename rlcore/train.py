@@ -49,7 +49,7 @@ from rlcore.losses.policy import entropy_mask, mask_truncated, policy_loss, tis_
 from rlcore.model import mix_into, weight_layout_difference
 from rlcore.rewards import REWARD_EXTRAS, RewardState, dataset_columns, get_reward_funcs, reward_extras, reward_inputs
 from rlcore.rollout import generate
-from rlcore.runlog import drop_rows_after, log_completions, log_line, record_eval, reduce_metrics
+from rlcore.runlog import Progress, drop_rows_after, log_completions, log_line, record_eval, reduce_metrics
 from rlcore.tasks import TASK_REWARD, unique_problems
 from rlcore.tokenizer import Tokenizer, check_vocab_fits
 from rlcore.validation import epoch_steps, generation_steps, validate, warn_bf16_weights
@@ -221,17 +221,15 @@ def next_prompts(examples: list[dict], pos: int, n: int, seed: int) -> list[dict
     return out
 
 
-EVAL_PROGRESS_AFTER_S = 10.0  # a held-out evaluation running longer than this reports each batch
-
-
 @torch.no_grad()
 def evaluate(model, tok: Tokenizer, examples: list[dict], accuracy_fn, max_new_tokens: int,
              batch_size: int = 128, rank: int = 0, world: int = 1, device: torch.device | None = None) -> float:
     """Held-out greedy accuracy: the fraction of prompts whose greedy answer scores 1. Each of
-    the `world` ranks answers every world-th prompt; every rank must call it. Rank 0 prints a
-    line per batch once the evaluation has run EVAL_PROGRESS_AFTER_S (a real model on CPU)."""
+    the `world` ranks answers every world-th prompt; every rank must call it. A long evaluation
+    (a real model on CPU) says how many prompts rank 0 has done (`Progress`)."""
     correct, columns = 0.0, dataset_columns(examples)
-    mine, start = examples[rank::world], time.perf_counter()
+    mine, progress = examples[rank::world], Progress("held-out eval", enabled=rank == 0)
+    share = f" (rank 0's share of {len(examples)})" if world > 1 else ""
     for i in range(0, len(mine), batch_size):
         chunk = mine[i:i + batch_size]
         ro = generate(model, [ex["prompt_ids"] for ex in chunk], 1, max_new_tokens,
@@ -239,11 +237,22 @@ def evaluate(model, tok: Tokenizer, examples: list[dict], accuracy_fn, max_new_t
         prompts, completions, values = reward_inputs(chunk, decode_completions(tok, ro), columns)
         scores = accuracy_fn(prompts=prompts, completions=completions, **values)
         correct += sum(1.0 for s in scores if s is not None and s >= 1.0)
-        done, elapsed = i + len(chunk), time.perf_counter() - start
-        if rank == 0 and done < len(mine) and elapsed > EVAL_PROGRESS_AFTER_S:
-            share = f" (rank 0's share of {len(examples)})" if world > 1 else ""
-            print(f"  held-out eval: {done}/{len(mine)} prompts{share}, {elapsed:.0f}s", flush=True)
+        if i + len(chunk) < len(mine):
+            progress.report(f"{i + len(chunk)}/{len(mine)} prompts{share}")
     return distributed.sum_over_ranks([correct], world, device)[0] / max(1, len(examples))
+
+
+@torch.no_grad()
+def logprobs_in_batches(model, ids, attn, Lp: int, cids, b: int, temperature: float, amp: bool,
+                        progress: Progress) -> torch.Tensor:
+    """The completions' log-probs `[n, Tc]` under `model` (the old and ref passes), b rows at a
+    time, without gradients; `progress` hears how many rows are done."""
+    parts = []
+    for i in range(0, len(ids), b):
+        parts.append(completion_logprobs(model, ids[i:i + b], attn[i:i + b], Lp, cids[i:i + b], temperature, amp)[0])
+        if i + b < len(ids):
+            progress.report(f"{i + b}/{len(ids)} completions")
+    return torch.cat(parts)
 
 
 def decode_completions(tok: Tokenizer, ro) -> list[str]:
@@ -421,13 +430,17 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         round_no, round_end = data_pos // (N // G), step + steps_per_round
         rows = [ex for ex in batch for _ in range(G)][mine]
         model.eval()  # rlcore's models have no dropout: eval() and train() below change no arithmetic
+        rollout_progress = Progress(f"step {step + 1} rollout", enabled=main)  # a real model on CPU: minutes
+        rank_rows = f"{len(rows)} completions" + (" on rank 0" if world > 1 else "")
         # num_generations=1: `rows` already repeats each prompt G times (a group may straddle two ranks)
         ro = generate(model, [ex["prompt_ids"] for ex in rows], num_generations=1,
                       max_new_tokens=rc.max_completion_length,
                       eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id,
                       temperature=rc.temperature, top_k=rc.top_k, top_p=rc.top_p, min_p=rc.min_p,
                       repetition_penalty=rc.repetition_penalty, stop_sequences=stop_sequences, generator=sampler,
-                      dtype=torch.bfloat16 if amp else None)
+                      dtype=torch.bfloat16 if amp else None,
+                      progress=lambda tokens, finished: rollout_progress.report(
+                          f"{tokens}/{rc.max_completion_length} tokens, {finished}/{rank_rows} done"))
         t_rollout = clock(device) - t0
 
         # 2. Rewards and advantages, over the whole round (all ranks) before it is cut up.
@@ -497,15 +510,14 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         t0 = clock(device)
         model.train()
         old = ref_lp = tis = None
-        with torch.no_grad():
-            if off_policy or lc.tis_mode:
-                old = torch.cat([completion_logprobs(model, ids[i:i + b], attn[i:i + b], Lp, cids[i:i + b],
-                                                     rc.temperature, amp)[0] for i in range(0, n, b)])
-            if lc.beta:
-                ref_lp = torch.cat([completion_logprobs(ref, ids[i:i + b], attn[i:i + b], Lp, cids[i:i + b],
-                                                        rc.temperature, amp)[0] for i in range(0, n, b)])
-            if lc.tis_mode:
-                tis = tis_weights(old, samp, mask, lc.tis_mode, min=lc.tis_min, max=lc.tis_max)
+        if off_policy or lc.tis_mode:
+            old = logprobs_in_batches(model, ids, attn, Lp, cids, b, rc.temperature, amp,
+                                      Progress(f"step {step + 1} old log-probs", enabled=main))
+        if lc.beta:
+            ref_lp = logprobs_in_batches(ref, ids, attn, Lp, cids, b, rc.temperature, amp,
+                                         Progress(f"step {step + 1} ref log-probs", enabled=main))
+        if lc.tis_mode:
+            tis = tis_weights(old, samp, mask, lc.tis_mode, min=lc.tis_min, max=lc.tis_max)
         t_old = clock(device) - t0
         # Engine vs trainer log-probs: over the round from `old` when it was computed, else per
         # micro-batch from logp.detach() (on-policy, every micro-batch runs before the step).
@@ -531,7 +543,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                 # Each distinct prompt of this optimizer step's micro-batches runs forward once
                 # (unless there are more than b of them: then each micro-batch runs its own).
                 shared = SharedPrompts.build(model, ids[step_rows], attn[step_rows], Lp, amp, max_prompts=b)
-                for mb in step_micro:  # mb: the micro-batch's rows
+                update_progress = Progress(f"step {step + 1} update", enabled=main)
+                for j, mb in enumerate(step_micro, 1):  # mb: the micro-batch's rows
                     logp, entropy = completion_logprobs(model, ids[mb], attn[mb], Lp, cids[mb], rc.temperature, amp,
                                                         shared)  # entropy is differentiable: the bonus below
                     # 5. Loss: per token (SPEC 3-4), then this micro-batch's share of the step's (SPEC 5).
@@ -556,6 +569,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                         diag.update(rollout_mismatch(logp.detach(), samp[mb], mask[mb]))  # its `tokens` = diag's
                     # one host sync per value: free on CPU, a wait for the GPU's queue on CUDA
                     step_metrics.append({"loss": loss.item(), **{key: float(v) for key, v in diag.items()}})
+                    if j < len(step_micro):
+                        update_progress.report(f"micro-batch {j}/{len(step_micro)}")
 
                 # Optimizer step. A non-finite loss (on any rank) or gradient skips it (and is
                 # counted). The averaged gradient and the summed count are the same on every rank,

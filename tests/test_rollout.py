@@ -340,6 +340,24 @@ def test_stops_at_eos_and_keeps_it_in_the_mask():
     assert out.truncated.tolist() == [False]
 
 
+def test_progress_hears_the_tokens_and_finished_rows_at_each_check(monkeypatch):
+    model = rlcore_model(make_hf_model("qwen2"))
+    prompts = random_prompts([3, 5, 7, 9, 4, 6, 8, 2], seed=5)
+
+    def run():
+        heard = []
+        out = generate(model, prompts, 1, 40, eos_token_ids=list(range(1, 9)), pad_token_id=PAD, temperature=0.0,
+                       progress=lambda *a: heard.append(a))
+        return heard, out.lengths.tolist()
+
+    heard, lengths = run()  # rows stop at different lengths, so the batch is compacted on the way
+    assert engine.CHECK_EVERY == 8 and max(lengths) > 32  # checks after 8, 16, 24, 32 tokens (40 ends the loop)
+    assert heard == [(t, sum(n <= t for n in lengths)) for t in (8, 16, 24, 32)]  # the rows stopped by then
+    assert len({f for _, f in heard}) > 2
+    monkeypatch.setattr(engine, "COMPACT_FRACTION", 0)  # every row kept to the end: the same counts
+    assert run() == (heard, lengths)
+
+
 def test_stop_sequence_ends_the_row_after_the_whole_sequence():
     model = rlcore_model(make_hf_model("qwen2"))
     prompts = random_prompts([5, 8])

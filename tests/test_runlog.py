@@ -6,7 +6,8 @@ import torch
 
 from conftest import exit_spawned_rank
 from rlcore.losses.policy import policy_loss
-from rlcore.runlog import drop_rows_after, log_completions, log_line, reduce_metrics
+import rlcore.runlog
+from rlcore.runlog import Progress, drop_rows_after, log_completions, log_line, reduce_metrics
 
 
 def test_step_metrics_weight_micro_batches_by_active_tokens():
@@ -90,3 +91,16 @@ def test_the_progress_line_names_kl_old_and_with_a_reference_kl_ref():
     line = log_line(3, 10, m)
     assert "kl_old 0.0012" in line and "kl_ref" not in line and line.startswith("step    3/10")
     assert "kl_old 0.0012  kl_ref 0.0550" in log_line(3, 10, {**m, "kl_ref": 0.055})
+
+
+def test_progress_is_silent_for_quick_work_then_reports_at_most_once_per_interval(monkeypatch, capsys):
+    now = [100.0]
+    monkeypatch.setattr(rlcore.runlog, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: now[0])}))
+    progress, quiet = Progress("step 3 update"), Progress("step 3 update", enabled=False)  # rank 0, another rank
+    for t, what in [(5, "a"), (9.9, "b"), (10.5, "c"), (15, "d"), (20.4, "e"), (20.6, "f"), (45, "g")]:
+        now[0] = 100.0 + t
+        progress.report(what)
+        quiet.report(what)
+    # the first line once 10 s have passed, then none until 10 s after the last line
+    assert capsys.readouterr().out.splitlines() == ["  step 3 update: c, 10s", "  step 3 update: f, 21s",
+                                                     "  step 3 update: g, 45s"]

@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import rlcore.runlog
 import rlcore.train
 from rlcore.cli import DEFAULT_CONFIG, main
 from rlcore.config import load_config
@@ -887,7 +888,7 @@ def _evaluate_on_rank(rank, init_file, out_dir, model_dir):
     tok = Tokenizer.from_dir(model_dir)
     examples = doubling_examples(tok)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    rlcore.train.EVAL_PROGRESS_AFTER_S = -1.0
+    rlcore.runlog.PROGRESS_AFTER_S = -1.0
     with contextlib.redirect_stdout(io.StringIO()) as printed:
         got = evaluate(load_model(model_dir), tok, examples, accuracy, 4, batch_size=4, rank=rank, world=2)
     (Path(out_dir) / f"seen{rank}.json").write_text(json.dumps(seen))
@@ -905,11 +906,29 @@ def test_a_long_evaluation_reports_each_batch(embedded_dir, monkeypatch, capsys)
     examples, model = doubling_examples(tok), load_model(embedded_dir)
     assert evaluate(model, tok, examples, ends_even, 4, batch_size=4) == 6 / 11
     assert capsys.readouterr().out == ""  # a second's evaluation says nothing
-    monkeypatch.setattr(rlcore.train, "EVAL_PROGRESS_AFTER_S", -1.0)  # as if each batch took long
+    monkeypatch.setattr(rlcore.runlog, "PROGRESS_AFTER_S", -1.0)  # as if each batch took long
     assert evaluate(model, tok, examples, ends_even, 4, batch_size=4) == 6 / 11
     lines = capsys.readouterr().out.splitlines()
     assert [re.sub(r", \d+s$", "", ln) for ln in lines] == ["  held-out eval: 4/11 prompts",
                                                              "  held-out eval: 8/11 prompts"]
+
+
+def test_a_long_step_reports_its_rollout_log_prob_passes_and_micro_batches(tmp_path, monkeypatch, capsys):
+    two_steps = ["train.max_steps=2", "train.gradient_accumulation_steps=2", "loss.num_iterations=2",
+                 "loss.beta=0.04", "rollout.max_completion_length=20"]  # with old and ref log-prob passes
+    monkeypatch.setattr(rlcore.runlog, "PROGRESS_AFTER_S", -1.0)  # as if every phase took long
+    train(config(tmp_path / "run", *two_steps))
+    steps = [re.sub(r", \d+s$", "", ln) for ln in capsys.readouterr().out.splitlines()
+             if ln.startswith(("step ", "  step"))]
+    assert re.fullmatch(r"  step 1 rollout: 8/20 tokens, \d+/32 completions done", steps[1])  # a check every 8 tokens
+    heads = [re.match(r"step +\d+(/\d+|: held-out accuracy)|  .*", ln).group() for ln in steps]  # the lines' heads
+    assert heads[:1] + heads[2:] == [
+        "step 0: held-out accuracy", "  step 1 old log-probs: 16/32 completions",
+        "  step 1 ref log-probs: 16/32 completions", "  step 1 update: micro-batch 1/2", "step    1/2",
+        "  step 2 update: micro-batch 1/2", "step    2/2", "step 2: held-out accuracy"]
+    monkeypatch.setattr(rlcore.runlog, "PROGRESS_AFTER_S", 10.0)  # rlcore's own: these steps are quick
+    train(config(tmp_path / "quick", *two_steps))
+    assert not [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  ")]
 
 
 def test_two_ranks_evaluate_half_the_prompts_each_and_report_the_whole(tmp_path, embedded_dir):

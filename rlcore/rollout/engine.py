@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -152,6 +153,7 @@ def generate(
     stop_sequences: list[list[int]] = (),
     generator: torch.Generator | None = None,
     dtype: torch.dtype | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Rollout:
     """Sample `num_generations` completions of at most `max_new_tokens` for each prompt.
 
@@ -161,6 +163,8 @@ def generate(
     generated so far, as in transformers (left padding excluded).
     `dtype` (default: the model's) is the compute dtype: bf16 for an fp32 model runs the
     rollout under bf16 autocast, with a bf16 KV cache and bf16 copies of the weights of matmuls.
+    `progress(tokens, finished)`, when given, is called every CHECK_EVERY tokens, at the check
+    that already syncs with the device: `tokens` sampled per row so far, `finished` rows stopped.
     """
     check_sampling_args(temperature, top_k, top_p, min_p, repetition_penalty)
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -244,6 +248,8 @@ def generate(
                 break
             if (t + 1) % CHECK_EVERY == 0:
                 n_done = int(done.sum())  # host sync, once every CHECK_EVERY steps
+                if progress is not None:
+                    progress(t + 1, N - len(rows) + n_done)
                 if n_done == len(rows):
                     break
                 if n_done * COMPACT_FRACTION >= len(rows):
