@@ -39,8 +39,9 @@ def plot_metrics(run_dir: Path) -> str:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, reward, color="tab:blue", alpha=0.25, label="reward per step")
     ax.plot(steps, smooth, color="tab:blue", label="reward (moving average)")
-    ax.plot([e["step"] for e in evals], [e["eval/accuracy"] for e in evals], "o-", color="tab:red",
-            label="held-out greedy accuracy")
+    if evals:
+        ax.plot([e["step"] for e in evals], [e["eval/accuracy"] for e in evals], "o-", color="tab:red",
+                label="held-out greedy accuracy")
     ax.set_xlabel("optimizer step")
     ax.set_ylim(0, 1)
     ax.legend(loc="lower right")
@@ -240,7 +241,10 @@ def run_command(argv: list[str] | None = None) -> int:
         return 0
     print(f"run directory: {run}  ({time.time() - t0:.0f}s)")
     print(plot_metrics(run))
-    print(f"held-out accuracy: before={result['before']:.3f} after={result['after']:.3f}")
+    if result["before"] is None or result["after"] is None:  # nothing held out, or nothing to check it against
+        print("held-out accuracy: none (no held-out prompt with an answer: data.num_eval, data.answer_column)")
+    else:
+        print(f"held-out accuracy: before={result['before']:.3f} after={result['after']:.3f}")
     return 0
 
 

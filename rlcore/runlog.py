@@ -73,14 +73,18 @@ def log_line(step: int, max_steps: int, m: dict) -> str:
     kl_ref (with beta > 0) to the reference model, TRL's `kl`."""
     clip = f"clip {m['clip_ratio/region']:.3f}  " if "clip_ratio/region" in m else ""  # ppo only
     kl_ref = f"kl_ref {m['kl_ref']:.4f}  " if m.get("kl_ref") is not None else ""
-    return (f"step {step:>4}/{max_steps}  reward {m['reward/mean']:.3f}  acc {m['reward/accuracy']:.3f}  "
+    acc = "-" if m["reward/accuracy"] is None else f"{m['reward/accuracy']:.3f}"  # None: no answers to check
+    return (f"step {step:>4}/{max_steps}  reward {m['reward/mean']:.3f}  acc {acc}  "
             f"kl_old {m['kl_old/k3']:.4f}  {kl_ref}{clip}len {m['completion/len_mean']:.1f}  "
             f"gen {m['tokens_per_s/rollout']:.0f} tok/s  time rollout {m['time/rollout']:.1f}s "
             f"score {m['time/scoring']:.2f}s update {m['time/update']:.1f}s")
 
 
-def record_eval(run: Path, step: int, accuracy: float) -> None:
-    """Append held-out accuracy at `step` to run/eval.jsonl (step 0 = before training)."""
+def record_eval(run: Path, step: int, accuracy: float | None) -> None:
+    """Append held-out accuracy at `step` to run/eval.jsonl (step 0 = before training); nothing
+    when there is none (None: no held-out prompt could be scored)."""
+    if accuracy is None:
+        return
     with open(run / "eval.jsonl", "a") as f:
         f.write(json.dumps({"step": step, "eval/accuracy": accuracy}) + "\n")
     print(f"step {step}: held-out accuracy {accuracy:.3f}", flush=True)

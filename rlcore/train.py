@@ -223,11 +223,14 @@ def next_prompts(examples: list[dict], pos: int, n: int, seed: int) -> list[dict
 
 @torch.no_grad()
 def evaluate(model, tok: Tokenizer, examples: list[dict], accuracy_fn, max_new_tokens: int,
-             batch_size: int = 128, rank: int = 0, world: int = 1, device: torch.device | None = None) -> float:
-    """Held-out greedy accuracy: the fraction of prompts whose greedy answer scores 1. Each of
-    the `world` ranks answers every world-th prompt; every rank must call it. A long evaluation
+             batch_size: int = 128, rank: int = 0, world: int = 1,
+             device: torch.device | None = None) -> float | None:
+    """Held-out greedy accuracy: the fraction of prompts whose greedy answer scores 1 (a prompt
+    the accuracy function cannot score, None, counts as wrong). None when it scores none of
+    them: no held-out prompts (data.num_eval = 0), or none with an answer to check. Each of the
+    `world` ranks answers every world-th prompt; every rank must call it. A long evaluation
     (a real model on CPU) says how many prompts rank 0 has done (`Progress`)."""
-    correct, columns = 0.0, dataset_columns(examples)
+    correct, scored, columns = 0.0, 0, dataset_columns(examples)
     mine, progress = examples[rank::world], Progress("held-out eval", enabled=rank == 0)
     share = f" (rank 0's share of {len(examples)})" if world > 1 else ""
     for i in range(0, len(mine), batch_size):
@@ -237,9 +240,11 @@ def evaluate(model, tok: Tokenizer, examples: list[dict], accuracy_fn, max_new_t
         prompts, completions, values = reward_inputs(chunk, decode_completions(tok, ro), columns)
         scores = accuracy_fn(prompts=prompts, completions=completions, **values)
         correct += sum(1.0 for s in scores if s is not None and s >= 1.0)
+        scored += sum(s is not None for s in scores)
         if i + len(chunk) < len(mine):
             progress.report(f"{i + len(chunk)}/{len(mine)} prompts{share}")
-    return distributed.sum_over_ranks([correct], world, device)[0] / max(1, len(examples))
+    correct, scored = distributed.sum_over_ranks([correct, scored], world, device)
+    return correct / len(examples) if scored else None
 
 
 @torch.no_grad()
@@ -399,6 +404,10 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
             (run / "eval.jsonl").write_text("")
             (run / "completions.jsonl").unlink(missing_ok=True)  # a crashed attempt's, before any checkpoint
             record_eval(run, 0, before)
+            if before is None:
+                print("no held-out accuracy: " + ("data.num_eval = 0" if not eval_set else
+                      f"none of the {len(eval_set)} held-out prompts has an answer to check "
+                      f"(data.answer_column = {answer_column!r})"), flush=True)
 
     def next_round() -> dict:
         """Where the next round starts, besides the weights and the optimizer: what a checkpoint keeps."""
@@ -475,7 +484,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                                                      multi_objective_aggregation=lc.multi_objective_aggregation)
         adv = every_adv[mine]
         acc = accuracy_fn(prompts=prompts, completions=completions, **column_values)
-        acc = distributed.gather_rows(torch.tensor([a or 0.0 for a in acc], device=device), world)
+        acc = distributed.gather_rows(torch.tensor([math.nan if a is None else float(a) for a in acc], device=device),
+                                      world)  # NaN: a completion the task cannot score (no answer), counted as 0
 
         # The round as training tensors: prompt (left-padded) + completion (right-padded).
         ids, attn, cids, mask, Lp = pack(ro.prompt_ids, completion_ids, tok.pad_token_id)
@@ -494,7 +504,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         every_truncated = distributed.gather_rows(truncated.float(), world)
         logged = {k: sum(v) / len(v) for k, v in logged.items()}  # means over the round, added to each step's row
         round_stats = {**reward_stats,
-                       "reward/accuracy": acc.mean().item(),
+                       "reward/accuracy": None if acc.isnan().all() else acc.nan_to_num(0.0).mean().item(),
                        "completion/len_mean": every_length.float().mean().item(),
                        "completion/len_min": every_length.min().item(), "completion/len_max": every_length.max().item(),
                        "completion/truncated_frac": every_truncated.mean().item(),

@@ -814,6 +814,25 @@ def test_bad_jsonl_row_names_the_file_and_line(tmp_path, embedded_dir):
     assert not (tmp_path / "run").exists()  # a failed start leaves no run directory behind
 
 
+@pytest.mark.parametrize("num_eval", [0, 2])
+def test_no_held_out_answers_means_no_accuracy_rather_than_zero(tmp_path, embedded_dir, capsys, num_eval):
+    data = tmp_path / "train.jsonl"  # prompts only: a custom reward scores them, the task's accuracy cannot
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}="}) + "\n" for i in range(12)))
+    run = tmp_path / "run"
+    assert main(cli_args(run, "data.task=jsonl", f"data.path={data}", "data.answer_column=",
+                         f"model.path={embedded_dir}", f"data.num_eval={num_eval}", "train.max_steps=2",
+                         "train.eval_steps=1", "train.logging_steps=1")) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "held-out accuracy: none (no held-out prompt with an answer: data.num_eval, data.answer_column)"
+    why = "data.num_eval = 0" if num_eval == 0 else \
+        "none of the 2 held-out prompts has an answer to check (data.answer_column = '')"
+    assert f"no held-out accuracy: {why}" in out and not [ln for ln in out if "held-out accuracy 0" in ln]
+    assert (run / "eval.jsonl").read_text() == ""
+    assert [r["reward/accuracy"] for r in rows(run)] == [None, None]  # null, not 0
+    assert [m.group(1) for ln in out if (m := re.match(r"step +\d+/2 .*  acc (\S+)  ", ln))] == ["-", "-"]
+    assert all(r["reward/mean"] is not None for r in rows(run))  # the reward function did score them
+
+
 # ----------------------------------------------------------------------------- warm start, progress, seeds
 
 def test_the_embedded_warm_start_trains_on_a_fixed_thread_count(tmp_path, monkeypatch):
