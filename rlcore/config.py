@@ -433,7 +433,9 @@ def load_config(path: str | None = None, overrides: list[str] = (), world_size: 
         except OSError as e:
             raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
     empty = path is not None and not d
+    trl_style = any(key not in SECTIONS for key in d)  # flat TRL keys: likely a recipe written for TRL
     d = normalize(d)
+    in_file = {(section, key) for section, values in d.items() for key in values}
     layer = {}
     for item in overrides:
         section, key, value = parse_override(item)
@@ -459,7 +461,24 @@ def load_config(path: str | None = None, overrides: list[str] = (), world_size: 
     config = Config.from_dict(d)
     config.base = None if base is None else str(EMBEDDED_DEFAULT)  # not a field: the CLI says what it ran
     validate(config, world_size)
+    if trl_style and base is None:  # (a file on the embedded default tunes rlcore's own run)
+        warn_trl_defaults(config, path, in_file | given)
     return config
+
+
+def warn_trl_defaults(config: Config, path: str, given: set[tuple[str, str]]) -> None:
+    """Warn about the options of `trl_options.TRL_DEFAULTS` that a file written in TRL's flat keys
+    that names a model (`path`) and the overrides (`given`, with the file's) leave to rlcore's
+    default, which is not TRL's: such a file trains as TRL would only with them set."""
+    unset = [(section, key, trl) for (section, key), trl in trl_options.TRL_DEFAULTS.items()
+             if (section, key) not in given and getattr(getattr(config, section), key) != trl
+             and (key != "use_bias_correction_kl" or config.loss.beta != 0)]
+    if unset:
+        warnings.warn(f"config file {path} is written in TRL's flat keys but leaves options unset whose value "
+                      f"here is not TRL's default: " + ", ".join(
+                          f"{key} = {getattr(getattr(config, section), key)!r} (TRL: {trl!r})"
+                          for section, key, trl in unset) + "; set them in the file to train as TRL would "
+                      "(README, 'Defaults that differ from TRL 1.16's')", RlcoreWarning, stacklevel=3)
 
 
 def builds_on_embedded_default(path: str, raw: bytes, file: dict, overrides: dict) -> bool:

@@ -153,6 +153,13 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
 # latter being how TRL aggregates that loss. A config layer that sets one sets both.
 LOSS_TYPES = {"cispo": ("cispo", "dapo"), "sapo": ("sapo", "grpo"), "vespo": ("vespo", "dapo")}
 
+# rlcore defaults that differ from TRL 1.16's and change what a run computes (the README's table
+# of defaults that differ): (section, option) -> TRL's default. A config file written in TRL's
+# flat keys that leaves one of them unset gets a warning naming it (use_bias_correction_kl only
+# with beta != 0, where there is a KL term).
+TRL_DEFAULTS = {("train", "lr_scheduler_type"): "linear", ("train", "bf16"): True,
+                ("loss", "use_bias_correction_kl"): True}
+
 
 # Other frameworks' names users bring (verl's config tree, Unsloth's loader and LoRA options):
 # an "unknown config key" error adds the rlcore equivalent, or why there is none.

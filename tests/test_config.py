@@ -191,6 +191,30 @@ def test_trl_flat_keys_go_to_their_section(tmp_path):
     assert c.train.seed == 3
 
 
+@pytest.mark.parametrize("lines, unset", [
+    ("beta = 0.04\n", "lr_scheduler_type = 'constant' (TRL: 'linear'), bf16 = False (TRL: True), "
+                      "use_bias_correction_kl = False (TRL: True)"),
+    ("beta = 0.0\nbf16 = true\n", "lr_scheduler_type = 'constant' (TRL: 'linear')"),  # no KL term: no KL option
+    ("beta = 0.04\nbf16 = true\nlr_scheduler_type = 'linear'\nuse_bias_correction_kl = false\n", None),
+    ("[loss]\nbeta = 0.04\n", None),  # rlcore's own sections: not a TRL recipe
+])
+def test_a_trl_style_file_is_told_which_unset_options_differ_from_trls_defaults(tmp_path, lines, unset):
+    path = write(tmp_path, 'model.path = "ckpt/qwen"\n' + lines)  # names a model: not the embedded run's values
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(path, [])
+    said = [str(w.message) for w in caught if "TRL's flat keys" in str(w.message)]
+    assert said == ([] if unset is None else [f"config file {path} is written in TRL's flat keys but leaves options "
+                                               f"unset whose value here is not TRL's default: {unset}; set them in "
+                                               f"the file to train as TRL would (README, 'Defaults that differ from "
+                                               f"TRL 1.16's')"])
+    with warnings.catch_warnings(record=True) as caught:  # set on the command line counts as set
+        warnings.simplefilter("always")
+        load_config(path, ["bf16=true", "lr_scheduler_type=linear", "use_bias_correction_kl=true"])
+        load_config(write(tmp_path, lines), [])  # no model: a file that tunes the embedded default run
+    assert not [w for w in caught if "TRL's flat keys" in str(w.message)]
+
+
 TRL_CONFIG = """
 # a TRL GRPOConfig written for TRL, as it is
 output_dir = "OUT"

@@ -339,6 +339,7 @@ def test_the_shipped_trl_style_recipe_loads_unchanged_and_trains(qwen_dir, gsm8k
     assert (t.gradient_checkpointing, t.num_train_epochs, t.log_completions) == (True, 1.0, True)
     assert (lo.beta, lo.epsilon_high, lo.mask_truncated_completions, lo.reward_funcs) == (
         0.001, 0.28, True, ["accuracy", "format"])
+    assert lo.use_bias_correction_kl  # written out: TRL's default, not rlcore's
     with pytest.warns(UserWarning):
         assert load_config(str(TRL_STYLE_CONFIG), [f"data.path={gsm8k_file}"]).train.max_steps == -1  # epochs
 
