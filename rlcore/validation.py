@@ -181,7 +181,8 @@ def validate(config: Config, world_size: int = 1) -> None:
              "reward function ('module:function')")
         if d.num_eval:
             warnings.warn("data.answer_column = '': held-out accuracy compares completions with reference answers "
-                          "and there are none, so it reads 0.000 throughout; set data.num_eval = 0 to skip it",
+                          "and there are none, so the run has none to report; set data.num_eval = 0 to skip its "
+                          "greedy generations",
                           RlcoreWarning, stacklevel=2)
     if config.model.ref_path and lo.beta == 0:
         warnings.warn(f"model.ref_path = {config.model.ref_path!r} is read only when loss.beta != 0, and it is 0.0: "
