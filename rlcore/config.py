@@ -470,14 +470,12 @@ def warn_trl_defaults(config: Config, path: str, given: set[tuple[str, str]]) ->
     """Warn about the options of `trl_options.TRL_DEFAULTS` that a file written in TRL's flat keys
     that names a model (`path`) and the overrides (`given`, with the file's) leave to rlcore's
     default, which is not TRL's: such a file trains as TRL would only with them set."""
-    unset = [(section, key, trl) for (section, key), trl in trl_options.TRL_DEFAULTS.items()
-             if (section, key) not in given and getattr(getattr(config, section), key) != trl
+    unset = [f"{key} = {value!r} (TRL: {trl!r})" for (section, key), trl in trl_options.TRL_DEFAULTS.items()
+             if (section, key) not in given and (value := getattr(getattr(config, section), key)) != trl
              and (key != "use_bias_correction_kl" or config.loss.beta != 0)]
     if unset:
         warnings.warn(f"config file {path} is written in TRL's flat keys but leaves options unset whose value "
-                      f"here is not TRL's default: " + ", ".join(
-                          f"{key} = {getattr(getattr(config, section), key)!r} (TRL: {trl!r})"
-                          for section, key, trl in unset) + "; set them in the file to train as TRL would "
+                      f"here is not TRL's default: {', '.join(unset)}; set them in the file to train as TRL would "
                       "(README, 'Defaults that differ from TRL 1.16's')", RlcoreWarning, stacklevel=3)
 
 

@@ -1,12 +1,14 @@
 """What a run records (rlcore/runlog.py): step metrics combined over micro-batches and ranks,
 completions.jsonl's columns, and the rows a resume keeps."""
 
+import types
+
 import pytest
 import torch
 
+import rlcore.runlog
 from conftest import exit_spawned_rank
 from rlcore.losses.policy import policy_loss
-import rlcore.runlog
 from rlcore.runlog import Progress, drop_rows_after, log_completions, log_line, reduce_metrics
 
 
@@ -95,7 +97,7 @@ def test_the_progress_line_names_kl_old_and_with_a_reference_kl_ref():
 
 def test_progress_is_silent_for_quick_work_then_reports_at_most_once_per_interval(monkeypatch, capsys):
     now = [100.0]
-    monkeypatch.setattr(rlcore.runlog, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: now[0])}))
+    monkeypatch.setattr(rlcore.runlog, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     progress, quiet = Progress("step 3 update"), Progress("step 3 update", enabled=False)  # rank 0, another rank
     for t, what in [(5, "a"), (9.9, "b"), (10.5, "c"), (15, "d"), (20.4, "e"), (20.6, "f"), (45, "g")]:
         now[0] = 100.0 + t

@@ -945,7 +945,7 @@ def test_a_long_step_reports_its_rollout_log_prob_passes_and_micro_batches(tmp_p
         "step 0: held-out accuracy", "  step 1 old log-probs: 16/32 completions",
         "  step 1 ref log-probs: 16/32 completions", "  step 1 update: micro-batch 1/2", "step    1/2",
         "  step 2 update: micro-batch 1/2", "step    2/2", "step 2: held-out accuracy"]
-    monkeypatch.setattr(rlcore.runlog, "PROGRESS_AFTER_S", 10.0)  # rlcore's own: these steps are quick
+    monkeypatch.undo()  # rlcore's own threshold: these steps are quick
     train(config(tmp_path / "quick", *two_steps))
     assert not [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  ")]
 
