@@ -51,6 +51,11 @@ The load average before and after each side is printed. Other work on the machin
 sides, decoding most (many small multi-threaded ops, each waiting at an OpenMP barrier for a
 descheduled thread): with the load at 3 on 2 cores, step times swung 74-175 s. Time on a quiet
 machine, or pass --threads 1, which is slower but steady under load.
+Before the last lines, the step's FLOP floor: the model FLOPs of the least work a step needs (one
+forward to sample, one forward and backward to train, each prompt once; 4 x bench/rollout.py's
+count), the seconds they take at this machine's matmul peak (measured here before and after the
+sides), each side's share of that peak, and the share 3x TRL's speed would need. It shows whether
+the issue's target is within this machine's reach, whatever either side does.
 The last line is `train_step_speedup_vs_trl=<TRL seconds per step / rlcore seconds per step>`.
 """
 
@@ -72,6 +77,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS, PROMPT_LEN, G, MAX_NEW = 64, 64, 8, 128
 BATCH, GA = 16, 4
+PROMPTS_PER_STEP = BATCH * GA // G  # one round, one optimizer step: 8 prompts
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
 VOCAB = 32000
 
@@ -281,6 +287,33 @@ def steps_text(times: list[float]) -> str:
     return ", ".join(f"{s:.1f}" for s in times)
 
 
+def step_flops(d: Path) -> float:
+    """Model FLOPs of the least work one step needs: one forward to sample the round, then one
+    forward and its backward (twice the forward) to train on it. Each forward is bench/rollout.py's
+    count (each prompt once; every completion token but the last fed; the vocabulary projection
+    for each sampled token), so the step is 4 times it."""
+    from rollout import rollout_flops  # bench/rollout.py, beside this script
+    from rlcore.model import ModelConfig
+
+    cfg = ModelConfig.from_hf(json.loads((d / "config.json").read_text()))
+    return 4 * rollout_flops(cfg, PROMPTS_PER_STEP, G, PROMPT_LEN, MAX_NEW)
+
+
+def floor_lines(flops: float, peak: float, res: dict) -> list[str]:
+    """How far each side is from the step's FLOP floor at this machine's matmul peak, and what
+    3x TRL would need: the evidence for whether the issue's target can be met here."""
+    lines = [f"floor: {flops / 1e12:.2f} TFLOP of model FLOPs per step (sample: 1 forward; train: 1 forward "
+             f"+ backward; each prompt once) = {flops / peak / 1e9:.1f} s/step at the matmul peak of "
+             f"{peak:.0f} GFLOP/s (2048^3 mm, this process, before and after the sides)"]
+    rate = {name: flops / r["sec_per_step"] / 1e9 for name, r in res.items()}
+    parts = [f"{name} {rate[name]:.0f} GFLOP/s = {rate[name] / peak:.0%} of peak" for name in res]
+    if "trl" in res:
+        need = res["trl"]["sec_per_step"] / 3
+        parts.append(f"3x trl ({need:.1f} s/step) needs {flops / need / 1e9:.0f} GFLOP/s = "
+                     f"{flops / need / 1e9 / peak:.0%} of peak")
+    return lines + ["; ".join(parts)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trl-steps", type=int, default=2, help="TRL optimizer steps; the first is warm-up")
@@ -313,10 +346,17 @@ def main() -> None:
           f"one step = 8 prompts x G={G}, prompt {PROMPT_LEN} + completion <= {MAX_NEW} tokens, "
           f"micro-batch {BATCH} x GA {GA}, fp32 model, {'bf16 autocast' if a.bf16 else 'fp32 compute'}; "
           f"first step of each side dropped", flush=True)
+    if a.threads:
+        torch.set_num_threads(a.threads)  # the peak below on the sides' threads
+    from rollout import matmul_peak_gflops  # bench/rollout.py, beside this script
+
+    compute = torch.bfloat16 if a.bf16 else torch.float32
+    peak = matmul_peak_gflops(torch.device("cpu"), compute)
     res = {}
     with tempfile.TemporaryDirectory(prefix="rlcore-bench-") as tmp:
         d = Path(tmp)
         build_checkpoint(d)
+        flops = step_flops(d)
         if a.side in ("both", "trl"):
             r = res["trl"] = side("trl", d, a.trl_steps, a.grad_ckpt, a.threads, a.bf16, a.trl_glibc_malloc)
             print(f"trl: {r['sec_per_step']:.2f} s/step (steps: {steps_text(r['per_step'])}), "
@@ -335,6 +375,9 @@ def main() -> None:
             print("rlcore phases (s/step): " + ", ".join(f"{p.split('/')[1]} {v:.2f}"
                   for p, v in r["phases"].items()) + f"; sum {r['phase_sum']:.2f} "
                   f"(steps: {steps_text(r['per_step_phases'])})", flush=True)
+    peak = max(peak, matmul_peak_gflops(torch.device("cpu"), compute))  # the machine may be shared
+    for line in floor_lines(flops, peak, res):
+        print(line, flush=True)
     for name, r in res.items():
         print(f"{name}_sec_per_step={r['sec_per_step']:.3f}")
     if len(res) == 2:
