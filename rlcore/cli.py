@@ -30,7 +30,7 @@ def plot_metrics(run_dir: Path) -> str:
         return ("no plot: matplotlib is not installed (pip install -e \".[plot]\" in a checkout, or pip install "
                 "matplotlib, to get curve.png)")
     rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    evals = [json.loads(ln) for ln in (run_dir / "eval.jsonl").read_text().splitlines()]
+    evals = [e for ln in (run_dir / "eval.jsonl").read_text().splitlines() if "eval/accuracy" in (e := json.loads(ln))]
     steps, reward = [r["step"] for r in rows], [r["reward/mean"] for r in rows]
     smooth, avg = [], None
     for r in reward:  # exponential moving average, as TensorBoard's smoothing
@@ -214,10 +214,12 @@ def run_command(argv: list[str] | None = None) -> int:
         result = train(cfg, resume=args.resume)
     except RewardFunctionError as e:  # the user's function failed: its own frames, not rlcore's
         kept = kept_checkpoint(run)
-        # train() checkpoints the round that failed, before it changed any weight (but the first)
-        after = (f"{run} keeps {kept}, the run as it was before the round that failed: once the function is fixed, "
+        # train() checkpoints the run as it was when the function failed: before the round it was
+        # scoring changed any weight, or after the step whose held-out evaluation it was scoring
+        after = (f"{run} keeps {kept}, the run as it was when the function failed: once the function is fixed, "
                  f"continue with {resume_command(run, world)}" if kept
-                 else "it failed in the run's first round, so there is no checkpoint: a run started again starts over")
+                 else "it failed before the run's first checkpoint (in the held-out evaluation before training, "
+                      "or in the first round), so there is none: a run started again starts over")
         report(f"rlcore: error: {e}\n{e.trace}".rstrip("\n") + f"\nrlcore: {after}", e)
         return 1
     except (ValueError, TypeError, OSError, FloatingPointError) as e:

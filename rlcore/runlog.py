@@ -80,14 +80,18 @@ def log_line(step: int, max_steps: int, m: dict) -> str:
             f"score {m['time/scoring']:.2f}s update {m['time/update']:.1f}s")
 
 
-def record_eval(run: Path, step: int, accuracy: float | None) -> None:
-    """Append held-out accuracy at `step` to run/eval.jsonl (step 0 = before training); nothing
-    when there is none (None: no held-out prompt could be scored)."""
-    if accuracy is None:
+def record_eval(run: Path, step: int, held_out: dict) -> None:
+    """Append `evaluate`'s metrics at `step` to run/eval.jsonl (step 0 = before training), those
+    that are not None, and print the accuracy and reward; nothing when all are None (no held-out
+    prompt could be scored)."""
+    row = {key: value for key, value in held_out.items() if value is not None}
+    if not row:
         return
     with open(run / "eval.jsonl", "a") as f:
-        f.write(json.dumps({"step": step, "eval/accuracy": accuracy}) + "\n")
-    print(f"step {step}: held-out accuracy {accuracy:.3f}", flush=True)
+        f.write(json.dumps({"step": step, **row}) + "\n")
+    said = [f"{what} {row[key]:.3f}" for what, key in (("accuracy", "eval/accuracy"), ("reward", "eval/reward/mean"))
+            if key in row]
+    print(f"step {step}: held-out " + ", ".join(said), flush=True)
 
 
 def drop_rows_after(file: Path, step: int) -> None:

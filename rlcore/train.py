@@ -28,6 +28,8 @@ import resource
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,13 +43,14 @@ from rlcore import RlcoreWarning, distributed
 from rlcore.data import encode_prompts, load_examples
 from rlcore.embedded import build_embedded_model, cache_dir_name, why_a_model_of_its_own
 from rlcore.forward import SharedPrompts, completion_logprobs, pack
-from rlcore.losses.advantages import check_reward_funcs, compute_advantages, score_completions
+from rlcore.losses.advantages import check_reward_funcs, compute_advantages, score_completions, weighted_rewards
 from rlcore.losses.aggregate import aggregate_loss
 from rlcore.losses.entropy import EntropyBonus
 from rlcore.losses.metrics import rollout_mismatch
 from rlcore.losses.policy import entropy_mask, mask_truncated, policy_loss, tis_weights
 from rlcore.model import mix_into, weight_layout_difference
-from rlcore.rewards import REWARD_EXTRAS, RewardState, dataset_columns, get_reward_funcs, reward_extras, reward_inputs
+from rlcore.rewards import (REWARD_EXTRAS, RewardFunctionError, RewardState, dataset_columns, get_reward_funcs,
+                            reward_extras, reward_inputs)
 from rlcore.rollout import generate
 from rlcore.runlog import Progress, drop_rows_after, log_completions, log_line, record_eval, reduce_metrics
 from rlcore.tasks import TASK_REWARD, unique_problems
@@ -221,18 +224,35 @@ def next_prompts(examples: list[dict], pos: int, n: int, seed: int) -> list[dict
     return out
 
 
+@dataclass
+class EvalRewards:
+    """The reward functions, for `evaluate`: their metric names (loss.reward_funcs), weights
+    (loss.reward_weights) and `score(prompts, completions, columns, completion_ids, logged)`,
+    which returns R [n, F] (score_completions') and appends log_metric values to `logged`."""
+    names: list[str]
+    weights: list[float]
+    score: Callable[..., torch.Tensor]
+
+
 @torch.no_grad()
 def evaluate(model, tok: Tokenizer, examples: list[dict], accuracy_fn, max_new_tokens: int,
-             batch_size: int = 128, rank: int = 0, world: int = 1,
-             device: torch.device | None = None) -> float | None:
-    """Held-out greedy accuracy: the fraction of prompts whose greedy answer scores 1 (a prompt
-    the accuracy function cannot score, None, counts as wrong). None when it scores none of
-    them: no held-out prompts (data.num_eval = 0), or none with an answer to check. Each of the
-    `world` ranks answers every world-th prompt; every rank must call it. A long evaluation
-    (a real model on CPU) says how many prompts rank 0 has done (`Progress`)."""
+             batch_size: int = 128, rank: int = 0, world: int = 1, device: torch.device | None = None,
+             rewards: EvalRewards | None = None) -> dict:
+    """Held-out metrics of greedy completions: `eval/accuracy`, the fraction of prompts whose
+    greedy answer scores 1 (a prompt the accuracy function cannot score, None, counts as wrong),
+    or None when it scores none of them (no held-out prompts, data.num_eval = 0, or none with an
+    answer to check). With `rewards` (EvalRewards), the reward functions score the same
+    completions too, as TRL's evaluation does: `eval/reward/mean` (the weighted sum, over the
+    prompts some function scored), `eval/reward/<name>/mean` per function, and `eval/<name>` per
+    log_metric name, each None when nothing was scored. Each of the `world` ranks answers every
+    world-th prompt; every rank must call it, and a reward function's failure on one rank stops
+    every rank. A long evaluation (a real model on CPU) says how many prompts rank 0 has done."""
     correct, scored, columns = 0.0, 0, dataset_columns(examples)
     mine, progress = examples[rank::world], Progress("held-out eval", enabled=rank == 0)
     share = f" (rank 0's share of {len(examples)})" if world > 1 else ""
+    # [sum, count] of the weighted reward (column 0) and of each reward function's scores
+    totals = torch.zeros(2, 1 + (len(rewards.names) if rewards else 0), dtype=torch.float64)
+    logged, failure = defaultdict(list), None
     for i in range(0, len(mine), batch_size):
         chunk = mine[i:i + batch_size]
         ro = generate(model, [ex["prompt_ids"] for ex in chunk], 1, max_new_tokens,
@@ -241,10 +261,29 @@ def evaluate(model, tok: Tokenizer, examples: list[dict], accuracy_fn, max_new_t
         scores = accuracy_fn(prompts=prompts, completions=completions, **values)
         correct += sum(1.0 for s in scores if s is not None and s >= 1.0)
         scored += sum(s is not None for s in scores)
+        if rewards:
+            try:
+                R = rewards.score(prompts, completions, values, [c[:n].tolist() for c, n in
+                                                                 zip(ro.completion_ids, ro.lengths)], logged)
+            except (ValueError, TypeError, RuntimeError) as e:  # RewardFunctionError is a RuntimeError
+                failure = e
+                break  # the ranks raise it together below
+            R = R.double()
+            both = torch.cat([weighted_rewards(R, torch.tensor(rewards.weights, dtype=torch.float64))[:, None], R], 1)
+            totals += torch.stack([both.nansum(dim=0), (~both.isnan()).sum(dim=0)])
         if i + len(chunk) < len(mine):
             progress.report(f"{i + len(chunk)}/{len(mine)} prompts{share}")
-    correct, scored = distributed.sum_over_ranks([correct, scored], world, device)
-    return correct / len(examples) if scored else None
+    if rewards:
+        distributed.raise_together(failure, world)
+        logged = distributed.concat_over_ranks(logged, world)
+    correct, scored, *flat = distributed.sum_over_ranks([correct, scored, *totals.flatten().tolist()], world, device)
+    out = {"eval/accuracy": correct / len(examples) if scored else None}
+    if rewards:
+        means = [total / count if count else None for total, count in torch.tensor(flat).view(2, -1).T.tolist()]
+        out["eval/reward/mean"] = means[0]
+        out.update({f"eval/reward/{name}/mean": mean for name, mean in zip(rewards.names, means[1:])})
+        out.update({f"eval/{name}": sum(v) / len(v) for name, v in logged.items()})
+    return out
 
 
 @torch.no_grad()
@@ -368,6 +407,15 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                          lc.entropy_coef_min, lc.entropy_coef_max)
     step, data_pos, bad_in_row, bad_total = 0, 0, 0, 0
     metrics_file = run / "metrics.jsonl"
+
+    def score_held_out(prompts, completions, values, completion_ids, logged) -> torch.Tensor:
+        """The reward functions on held-out completions, as on a round's (`evaluate` calls it)."""
+        state = RewardState(step, max_steps, data_pos / len(train_set), tc.num_train_epochs)
+        extras = reward_extras(completion_ids, state, log_metric=lambda name, value: logged[name].append(float(value)),
+                               log_extra=lambda column, values: None)  # completions.jsonl holds the rounds' only
+        return score_completions(reward_funcs, prompts, completions, values, lc.reward_on_error, extras)
+
+    held_out_rewards = EvalRewards(lc.reward_funcs, lc.reward_weights or [1.0] * len(reward_funcs), score_held_out)
     if ck:  # resume: every state the next step reads, exactly as the checkpoint left it
         if len(st["optimizer"]["param_groups"]) != len(opt.param_groups):  # one group before weight decay
             raise ValueError(f"{ck} was saved by an earlier rlcore (its optimizer state has one parameter "
@@ -396,14 +444,15 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
             drop_rows_after(run / "eval.jsonl", step)
             drop_rows_after(run / "completions.jsonl", step)
             print(f"resumed from {ck} at step {step}", flush=True)
-    else:  # a new run: the baseline, held-out accuracy before any RL step
-        before = evaluate(model, tok, eval_set, accuracy_fn, tc.eval_max_completion_length,
-                          rank=rank, world=world, device=device)
+    else:  # a new run: the baseline, held-out accuracy before any RL step (a reward function's first call)
+        baseline = evaluate(model, tok, eval_set, accuracy_fn, tc.eval_max_completion_length,
+                            rank=rank, world=world, device=device, rewards=held_out_rewards)
+        before = baseline["eval/accuracy"]
         if main:
             metrics_file.write_text("")
             (run / "eval.jsonl").write_text("")
             (run / "completions.jsonl").unlink(missing_ok=True)  # a crashed attempt's, before any checkpoint
-            record_eval(run, 0, before)
+            record_eval(run, 0, baseline)
             if before is None:
                 print("no held-out accuracy: " + ("data.num_eval = 0" if not eval_set else
                       f"none of the {len(eval_set)} held-out prompts has an answer to check "
@@ -651,10 +700,15 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         # Eval and checkpoint at round boundaries: a checkpoint holds no half round, except the
         # last one when max_steps ends the run inside a round (the note below says so).
         if tc.eval_steps and step % tc.eval_steps < steps_per_round and step < max_steps:
-            accuracy = evaluate(model, tok, eval_set, accuracy_fn, tc.eval_max_completion_length,
-                                rank=rank, world=world, device=device)
+            try:
+                held_out = evaluate(model, tok, eval_set, accuracy_fn, tc.eval_max_completion_length,
+                                    rank=rank, world=world, device=device, rewards=held_out_rewards)
+            except (RewardFunctionError, TypeError, ValueError):  # a reward function's (every rank raises it)
+                if step > saved:
+                    checkpoint(next_round())
+                raise
             if main:
-                record_eval(run, step, accuracy)
+                record_eval(run, step, held_out)
         if (tc.save_steps and step % tc.save_steps < steps_per_round) or step >= max_steps:
             checkpoint(next_round())
             saved = step
@@ -663,9 +717,10 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         print(f"note: max_steps={max_steps} ended the run inside a round of {steps_per_round} optimizer "
               f"steps; a --resume with a larger max_steps starts a new round (the rest of this one is "
               f"not replayed)", flush=True)
-    after = evaluate(model, tok, eval_set, accuracy_fn, tc.eval_max_completion_length,
-                     rank=rank, world=world, device=device)
+    held_out = evaluate(model, tok, eval_set, accuracy_fn, tc.eval_max_completion_length,
+                        rank=rank, world=world, device=device, rewards=held_out_rewards)
     if main:
-        record_eval(run, step, after)
+        record_eval(run, step, held_out)
+    after = held_out["eval/accuracy"]
     distributed.barrier(world)  # the ranks leave together, so none tears its process group down under another
     return {"before": before, "after": after, "run_dir": str(run)}

@@ -437,8 +437,8 @@ def test_a_diverged_run_is_an_error_not_a_traceback(tmp_path, capsys):
 def test_a_run_that_failed_before_its_first_checkpoint_says_how_to_start_over(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(cli_args(run, "train.max_steps=1", "loss.reward_funcs=['test_train:explode']")) == 1
-    assert "rlcore: it failed in the run's first round, so there is no checkpoint: a run started again starts over" \
-        in capsys.readouterr().err
+    assert ("rlcore: it failed before the run's first checkpoint (in the held-out evaluation before training, or in "
+            "the first round), so there is none: a run started again starts over") in capsys.readouterr().err
     assert main(["train", "--resume", str(run)]) == 1
     assert (f"--resume {run}: no checkpoint there (no `latest` file); the run stopped before its first checkpoint "
             f"(one is written every train.save_steps steps and at the end), so it starts over: rlcore train "
@@ -461,7 +461,7 @@ def test_a_reward_function_failing_after_a_checkpoint_says_how_to_continue(tmp_p
     run = tmp_path / "run"
     assert main(cli_args(run, "train.max_steps=3", "train.save_steps=1",
                          f"loss.reward_funcs=['{__name__}:fails_from_step_2']")) == 1
-    assert (f"rlcore: {run} keeps checkpoint-1, the run as it was before the round that failed: once the function is "
+    assert (f"rlcore: {run} keeps checkpoint-1, the run as it was when the function failed: once the function is "
             f"fixed, continue with rlcore train --resume {run}") in capsys.readouterr().err
 
 

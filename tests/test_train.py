@@ -560,7 +560,7 @@ def test_a_reward_function_failing_mid_run_keeps_the_round_before_and_resumes_as
     monkeypatch.setitem(JUDGE, "down_from_step", 2)
     assert main(cli_args(tmp_path / "b", *steps)) == 1
     assert latest_checkpoint(tmp_path / "b").name == "checkpoint-2"
-    assert "keeps checkpoint-2, the run as it was before the round that failed" in capsys.readouterr().err
+    assert "keeps checkpoint-2, the run as it was when the function failed" in capsys.readouterr().err
     monkeypatch.setitem(JUDGE, "down_from_step", None)
     assert main(["train", "--resume", str(tmp_path / "b")]) == 0
     assert_same_run(tmp_path / "a", tmp_path / "b", 4)
@@ -782,10 +782,12 @@ def record_trainer_state(prompts, completions, trainer_state, **columns):
 
 def test_reward_functions_see_the_step_and_the_passes_over_the_prompts_done_before_the_round(tmp_path):
     """TRL's trainer_state: global_step and epoch as of the round's scoring. SMALL's rounds are 16
-    completions of 4 prompts out of 256 training prompts: epoch = 4 * round / 256."""
+    completions of 4 prompts out of 256 training prompts: epoch = 4 * round / 256. The held-out
+    evaluations before and after training call the function too, as of their step."""
     STATES.clear()
     train(config(tmp_path / "run", "train.max_steps=3", f"loss.reward_funcs=['{__name__}:record_trainer_state']"))
-    assert STATES == [(0, 3, 0.0, 3.0), (1, 3, 4 / 256, 3.0), (2, 3, 8 / 256, 3.0)]  # 3.0: TRL's default
+    rounds = [(0, 3, 0.0, 3.0), (1, 3, 4 / 256, 3.0), (2, 3, 8 / 256, 3.0)]  # 3.0: TRL's default
+    assert STATES == [(0, 3, 0.0, 3.0), *rounds, (3, 3, 12 / 256, 3.0)]
 
 
 def test_reward_function_that_raises_stops_the_run_naming_it_and_the_sample(tmp_path):
@@ -793,6 +795,63 @@ def test_reward_function_that_raises_stops_the_run_naming_it_and_the_sample(tmp_
                                            r"fails on sample 0: prompt='\d+\+\d+=', completion='") as err:
         train(config(tmp_path / "run", "train.max_steps=2", f"loss.reward_funcs=['{__name__}:explode']"))
     assert "--set loss.reward_on_error=none" in str(err.value)  # the fix, as a config option
+
+
+BAD_RETURN_CALLS = []
+
+
+def held_out(prompts) -> bool:
+    """Held-out prompts are distinct; a round's repeat each one G = 4 times."""
+    return len(set(prompts)) == len(prompts)
+
+
+def bad_on_held_out(prompts, completions, **columns):
+    """first_digit on a round's completions; one score too few on the held-out prompts."""
+    BAD_RETURN_CALLS.append(len(completions))
+    scores = first_digit(prompts, completions)
+    return scores[1:] if held_out(prompts) else scores
+
+
+def test_a_reward_function_returning_bad_values_stops_the_run_at_the_baseline_evaluation(tmp_path):
+    """The held-out evaluation before training is a reward function's first call: a function that
+    returns the wrong number of scores stops the run there, before the first rollout."""
+    BAD_RETURN_CALLS.clear()
+    run = tmp_path / "run"
+    with pytest.raises(ValueError, match=rf"reward function bad_on_held_out returned {NUM_EVAL - 1} "
+                                         rf"scores for {NUM_EVAL} completions"):
+        train(config(run, "train.max_steps=2", f"loss.reward_funcs=['{__name__}:bad_on_held_out']"))
+    assert BAD_RETURN_CALLS == [NUM_EVAL]  # one call, on the held-out completions
+    assert not (run / "metrics.jsonl").exists() and not (run / "eval.jsonl").exists()
+
+
+HELD_OUT_JUDGE = {"down_from_step": None}  # set by a test: the step from which `held_out_judge` fails
+
+
+def held_out_judge(prompts, completions, trainer_state, **columns):
+    """first_digit, from a judge that may be down for held-out prompts from a step on (HELD_OUT_JUDGE)."""
+    down = HELD_OUT_JUDGE["down_from_step"]
+    if down is not None and trainer_state.global_step >= down and held_out(prompts):
+        raise TimeoutError("the judge timed out")
+    return first_digit(prompts, completions)
+
+
+def test_a_reward_function_failing_in_a_held_out_evaluation_keeps_the_steps_before_it(tmp_path, capsys, monkeypatch):
+    """No checkpoint is due before the end (save_steps = 0), and the evaluation after step 2 fails:
+    the run keeps checkpoint-2, and --resume from it trains as a run that never failed (the
+    failed evaluation's row is not redone)."""
+    steps = ["train.max_steps=3", "train.eval_steps=2", f"loss.reward_funcs=['{__name__}:held_out_judge']"]
+    assert main(cli_args(tmp_path / "a", *steps)) == 0
+    monkeypatch.setitem(HELD_OUT_JUDGE, "down_from_step", 2)
+    assert main(cli_args(tmp_path / "b", *steps)) == 1
+    assert latest_checkpoint(tmp_path / "b").name == "checkpoint-2"
+    assert "keeps checkpoint-2, the run as it was when the function failed" in capsys.readouterr().err
+    assert [r["step"] for r in rows(tmp_path / "b")] == [1, 2]
+    monkeypatch.setitem(HELD_OUT_JUDGE, "down_from_step", None)
+    assert main(["train", "--resume", str(tmp_path / "b")]) == 0
+    assert_same_run(tmp_path / "a", tmp_path / "b", 3)
+    evals = [[json.loads(ln)["step"] for ln in (run / "eval.jsonl").read_text().splitlines()] for run in
+             (tmp_path / "a", tmp_path / "b")]
+    assert evals == [[0, 2, 3], [0, 3]]
 
 
 def test_reward_on_error_none_scores_failures_as_none_and_continues(tmp_path):
@@ -827,7 +886,10 @@ def test_no_held_out_answers_means_no_accuracy_rather_than_zero(tmp_path, embedd
     why = "data.num_eval = 0" if num_eval == 0 else \
         "none of the 2 held-out prompts has an answer to check (data.answer_column = '')"
     assert f"no held-out accuracy: {why}" in out and not [ln for ln in out if "held-out accuracy 0" in ln]
-    assert (run / "eval.jsonl").read_text() == ""
+    # the reward function scores the held-out completions (before, after step 1, after), accuracy absent
+    evals = [json.loads(ln) for ln in (run / "eval.jsonl").read_text().splitlines()]
+    assert [(e["step"], "eval/accuracy" in e, "eval/reward/mean" in e) for e in evals] == \
+        ([(0, False, True), (1, False, True), (2, False, True)] if num_eval else [])
     assert [r["reward/accuracy"] for r in rows(run)] == [None, None]  # null, not 0
     assert [m.group(1) for ln in out if (m := re.match(r"step +\d+/2 .*  acc (\S+)  ", ln))] == ["-", "-"]
     assert all(r["reward/mean"] is not None for r in rows(run))  # the reward function did score them
@@ -886,6 +948,25 @@ def ends_even(prompts, completions, **columns):
     return [1.0 if int(p.rstrip("=")[-1]) % 2 == 0 else 0.0 for p in prompts]
 
 
+def by_prompt_rewards():
+    """EvalRewards whose scores are known from the prompts "i+i=" alone: the first function scores
+    i, None when i is a multiple of 3; the second scores nothing; weights 2 and 1. So the first's
+    held-out mean is (1+2+4+5+7+8+10) / 7 = 37/7, the weighted reward's 74/7 (the rows the first
+    scored), the second's None; log_metric("custom/batch") records each call's prompt count."""
+    from rlcore.train import EvalRewards
+
+    def score(prompts, completions, columns, completion_ids, logged):
+        assert len(completion_ids) == len(completions)
+        logged["custom/batch"].append(float(len(prompts)))
+        i = [int(p.split("+")[0]) for p in prompts]
+        return torch.tensor([[math.nan if k % 3 == 0 else float(k), math.nan] for k in i])
+
+    return EvalRewards(["first", "second"], [2.0, 1.0], score)
+
+
+BY_PROMPT = {"eval/reward/mean": 74 / 7, "eval/reward/first/mean": 37 / 7, "eval/reward/second/mean": None}
+
+
 def _evaluate_on_rank(rank, init_file, out_dir, model_dir):
     """`evaluate` on one of 2 gloo ranks, in batches of 4, with an accuracy function that scores
     by prompt (the prompts ending in an even number) and records the prompts it was given; the
@@ -909,7 +990,8 @@ def _evaluate_on_rank(rank, init_file, out_dir, model_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     rlcore.runlog.PROGRESS_AFTER_S = -1.0
     with contextlib.redirect_stdout(io.StringIO()) as printed:
-        got = evaluate(load_model(model_dir), tok, examples, accuracy, 4, batch_size=4, rank=rank, world=2)
+        got = evaluate(load_model(model_dir), tok, examples, accuracy, 4, batch_size=4, rank=rank, world=2,
+                       rewards=by_prompt_rewards())
     (Path(out_dir) / f"seen{rank}.json").write_text(json.dumps(seen))
     (Path(out_dir) / f"printed{rank}.txt").write_text(printed.getvalue())
     (Path(out_dir) / f"accuracy{rank}.json").write_text(json.dumps(got))
@@ -923,10 +1005,11 @@ def test_a_long_evaluation_reports_each_batch(embedded_dir, monkeypatch, capsys)
 
     tok = Tokenizer.from_dir(embedded_dir)
     examples, model = doubling_examples(tok), load_model(embedded_dir)
-    assert evaluate(model, tok, examples, ends_even, 4, batch_size=4) == 6 / 11
+    assert evaluate(model, tok, examples, ends_even, 4, batch_size=4) == {"eval/accuracy": 6 / 11}
     assert capsys.readouterr().out == ""  # a second's evaluation says nothing
     monkeypatch.setattr(rlcore.runlog, "PROGRESS_AFTER_S", -1.0)  # as if each batch took long
-    assert evaluate(model, tok, examples, ends_even, 4, batch_size=4) == 6 / 11
+    got = evaluate(model, tok, examples, ends_even, 4, batch_size=4, rewards=by_prompt_rewards())
+    assert got == pytest.approx({"eval/accuracy": 6 / 11, **BY_PROMPT, "eval/custom/batch": 11 / 3})  # 4, 4, 3
     lines = capsys.readouterr().out.splitlines()
     assert [re.sub(r", \d+s$", "", ln) for ln in lines] == ["  held-out eval: 4/11 prompts",
                                                              "  held-out eval: 8/11 prompts"]
@@ -956,7 +1039,10 @@ def test_two_ranks_evaluate_half_the_prompts_each_and_report_the_whole(tmp_path,
     mp.spawn(_evaluate_on_rank, args=(str(tmp_path / "init"), str(tmp_path), str(embedded_dir)), nprocs=2)
     seen = [json.loads((tmp_path / f"seen{rank}.json").read_text()) for rank in (0, 1)]
     assert sorted(seen[0] + seen[1]) == sorted(f"{i}+{i}=" for i in range(11)) and len(seen[0]) == 6
-    assert [json.loads((tmp_path / f"accuracy{rank}.json").read_text()) for rank in (0, 1)] == [6 / 11] * 2
+    # every rank has the whole's metrics; log_metric's values are rank 0's batches (4, 2) and rank 1's (4, 1)
+    whole = {"eval/accuracy": 6 / 11, **BY_PROMPT, "eval/custom/batch": 11 / 4}
+    got = [json.loads((tmp_path / f"accuracy{rank}.json").read_text()) for rank in (0, 1)]
+    assert got == [pytest.approx(whole)] * 2
     printed = [(tmp_path / f"printed{rank}.txt").read_text() for rank in (0, 1)]
     assert re.fullmatch(r"  held-out eval: 4/6 prompts \(rank 0's share of 11\), \d+s\n", printed[0])
     assert printed[1] == ""

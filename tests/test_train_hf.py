@@ -15,6 +15,7 @@ from conftest import make_hf_model, rewrite_config
 from rlcore.checkpoint import load_model
 from rlcore.config import load_config
 from rlcore.data import format_prompt
+from rlcore.rewards import get_reward_funcs
 from rlcore.tokenizer import Tokenizer
 from rlcore.train import train
 from test_tokenizer import llama_checkpoint, qwen2_pipeline_checkpoint
@@ -24,8 +25,13 @@ GSM8K_CONFIG = Path(__file__).parent.parent / "configs" / "qwen2.5-0.5b-gsm8k.to
 transformers = pytest.importorskip("transformers")
 
 
+BREVITY_CALLS = []
+
+
 def brevity(prompts, completions, **columns):
-    """Varies within every group of a random model, so advantages are nonzero and weights move."""
+    """Varies within every group of a random model, so advantages are nonzero and weights move.
+    Records each call's completions and answers."""
+    BREVITY_CALLS.append((completions, columns.get("answer")))
     return [1.0 / (1 + len(c)) for c in completions]
 
 
@@ -92,7 +98,16 @@ def test_loop_trains_an_hf_checkpoint_and_writes_one_transformers_loads(qwen_dir
     assert len(HELD_OUT_SCORES[-1]) == 4 and 0 < sum(HELD_OUT_SCORES[-1]) < 4
     assert result["after"] == sum(HELD_OUT_SCORES[-1]) / 4
     last = json.loads((run / "eval.jsonl").read_text().splitlines()[-1])
-    assert last == {"step": 2, "eval/accuracy": result["after"]}
+    # The reward functions scored the same held-out completions: their means, and the weighted sum
+    # (loss.reward_weights 1.0 and 0.5), from the functions' own scores of the last call.
+    completions, answers = BREVITY_CALLS[-1]
+    assert len(completions) == 4
+    exact = get_reward_funcs(["accuracy"], "answer")[0](prompts=[""] * 4, completions=completions, answer=answers)
+    short = brevity([""] * 4, completions)
+    assert last == pytest.approx({
+        "step": 2, "eval/accuracy": result["after"], "eval/reward/accuracy/mean": sum(exact) / 4,
+        f"eval/reward/{__name__}:brevity/mean": sum(short) / 4,
+        "eval/reward/mean": sum(a + 0.5 * b for a, b in zip(exact, short)) / 4}, rel=1e-6)
     # The weights moved, and transformers reads rlcore's checkpoint with rlcore's logits.
     before, after = load_model(qwen_dir), load_model(saved)
     assert not torch.equal(before.model.layers[0].mlp.up_proj.weight, after.model.layers[0].mlp.up_proj.weight)
@@ -186,15 +201,18 @@ def test_a_trl_reward_function_runs_on_a_conversational_dataset(qwen_dir, tmp_pa
     SEEN.clear()
     train(cfg)
 
-    assert SEEN["steps"] == [0, 1]  # trainer_state.global_step at each round
+    assert SEEN["steps"] == [0, 0, 1, 2]  # trainer_state.global_step: held-out before, each round, held-out after
     assert isinstance(SEEN["prompt"], list) and SEEN["prompt"][0]["role"] == "system"
     (message,) = SEEN["completion"]  # TRL's conversational completion
     assert message["role"] == "assistant"
     assert Tokenizer.from_dir(qwen_dir).decode(SEEN["ids"], skip_special_tokens=True) == message["content"]
     # the column some rows lack reaches every row: its value, or None
-    assert all(d == (i % 3 if i % 2 else None) for i, d in SEEN["difficulty"]) and len(SEEN["difficulty"]) == 16
+    assert all(d == (i % 3 if i % 2 else None) for i, d in SEEN["difficulty"])
+    assert len(SEEN["difficulty"]) == 2 * 8 + 2 * 2  # two rounds of 8, two evaluations of 2 held-out rows
     metrics = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(1 <= m["custom/mean_ids"] <= 5 for m in metrics)  # log_metric lands in metrics.jsonl
+    evals = [json.loads(ln) for ln in (run / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 2] and all(1 <= e["eval/custom/mean_ids"] <= 5 for e in evals)
     assert "no reward function scored" not in capsys.readouterr().out
 
 

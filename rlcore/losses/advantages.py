@@ -184,6 +184,14 @@ def _nanstd(x: Tensor, dim: int) -> Tensor:
     return var.where(count > 1, torch.nan).sqrt().squeeze(dim)
 
 
+def weighted_rewards(rewards: Tensor, weights: Tensor) -> Tensor:
+    """r [N] = nansum_f(w_f * R_f) from R [N, F] and w [F] (SPEC 2), NaN where every function
+    returned None (no function could score the completion)."""
+    r = (rewards * weights).nansum(dim=1)
+    r[rewards.isnan().all(dim=1)] = torch.nan
+    return r
+
+
 def compute_advantages(
     rewards: Tensor,
     num_generations: int,
@@ -230,8 +238,7 @@ def compute_advantages(
     rewards = rewards.double()
     weights = torch.tensor(reward_weights, dtype=torch.float64, device=rewards.device)
 
-    r = (rewards * weights).nansum(dim=1)
-    r[rewards.isnan().all(dim=1)] = torch.nan  # no function could score it
+    r = weighted_rewards(rewards, weights)
     groups = r.view(-1, num_generations)
     mean = groups.nanmean(dim=1, keepdim=True)
     adv = groups - mean
