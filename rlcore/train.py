@@ -282,6 +282,10 @@ def evaluate(model, tok: Tokenizer, examples: list[dict], accuracy_fn, max_new_t
         means = [total / count if count else None for total, count in torch.tensor(flat).view(2, -1).T.tolist()]
         out["eval/reward/mean"] = means[0]
         out.update({f"eval/reward/{name}/mean": mean for name, mean in zip(rewards.names, means[1:])})
+        if taken := sorted(name for name in logged if f"eval/{name}" in out):  # every rank has every name
+            raise ValueError(f"a reward function's log_metric name {taken[0]!r} is logged as eval/{taken[0]} in the "
+                             f"held-out evaluation, one of rlcore's own held-out metrics; log it under another name "
+                             f"(e.g. 'custom/{taken[0]}')")
         out.update({f"eval/{name}": sum(v) / len(v) for name, v in logged.items()})
     return out
 

@@ -251,15 +251,15 @@ def extra_and_metric(prompts, completions, log_extra, log_metric, **columns):
     return [0.5] * len(completions)
 
 
-def logs_reward_mean(prompts, completions, log_metric, **columns):
-    log_metric("reward/mean", 123.0)
+def logs_loss(prompts, completions, log_metric, **columns):
+    log_metric("loss", 123.0)  # a training metric (not a held-out one: the evaluation before training passes)
     return [0.5] * len(completions)
 
 
 def test_a_log_metric_name_that_is_one_of_rlcores_metrics_is_an_error(tmp_path):
-    with pytest.raises(ValueError, match=r"log_metric name 'reward/mean' is one of rlcore's own metrics; log it "
-                                         r"under another name \(e\.g\. 'custom/reward/mean'\)"):
-        train(config(tmp_path / "run", "train.max_steps=1", f"loss.reward_funcs=['{__name__}:logs_reward_mean']"))
+    with pytest.raises(ValueError, match=r"log_metric name 'loss' is one of rlcore's own metrics; log it "
+                                         r"under another name \(e\.g\. 'custom/loss'\)"):
+        train(config(tmp_path / "run", "train.max_steps=1", f"loss.reward_funcs=['{__name__}:logs_loss']"))
 
 
 def logged_metric_is_the_mean_over_the_round(run, per_round):
@@ -852,6 +852,19 @@ def test_a_reward_function_failing_in_a_held_out_evaluation_keeps_the_steps_befo
     evals = [[json.loads(ln)["step"] for ln in (run / "eval.jsonl").read_text().splitlines()] for run in
              (tmp_path / "a", tmp_path / "b")]
     assert evals == [[0, 2, 3], [0, 3]]
+
+
+def logs_accuracy(prompts, completions, log_metric, **columns):
+    log_metric("accuracy", 1.0)  # would overwrite the held-out accuracy, eval/accuracy
+    return first_digit(prompts, completions)
+
+
+def test_a_log_metric_name_clashing_with_a_held_out_metric_stops_the_run_at_the_baseline(tmp_path):
+    run = tmp_path / "run"
+    with pytest.raises(ValueError, match=r"log_metric name 'accuracy' is logged as eval/accuracy in the held-out "
+                                         r"evaluation, one of rlcore's own held-out metrics; .* 'custom/accuracy'"):
+        train(config(run, "train.max_steps=2", f"loss.reward_funcs=['{__name__}:logs_accuracy']"))
+    assert not (run / "metrics.jsonl").exists()  # before the first rollout
 
 
 def test_reward_on_error_none_scores_failures_as_none_and_continues(tmp_path):
