@@ -13,6 +13,8 @@ equivalent, or why there is none.
 from __future__ import annotations
 
 ANY = object()  # every value is harmless: warn and drop
+# for the options that pick a best checkpoint
+NEWEST = "rlcore keeps the newest checkpoints; its held-out accuracy and rewards are in eval.jsonl"
 
 # TRL name -> (values that change nothing in rlcore, why / what to set instead)
 TRL_ONLY: dict[str, tuple[object, str]] = {
@@ -109,18 +111,18 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     "enable_jit_checkpoint": ((False,), "rlcore saves at train.save_steps and at the end"),
     "restore_callback_states_from_checkpoint": (ANY, "rlcore has no callbacks; --resume restores the loop's state"),
     "save_on_each_node": (ANY, "rank 0 writes every checkpoint"),
-    "load_best_model_at_end": ((False,), "rlcore keeps the newest checkpoints; its held-out accuracy is in eval.jsonl"),
-    "metric_for_best_model": ((None,), "rlcore keeps the newest checkpoints; its held-out accuracy is in eval.jsonl"),
-    "greater_is_better": ((None,), "rlcore keeps the newest checkpoints; its held-out accuracy is in eval.jsonl"),
+    "load_best_model_at_end": ((False,), NEWEST),
+    "metric_for_best_model": ((None,), NEWEST),
+    "greater_is_better": ((None,), NEWEST),
     # evaluation and logging
     "eval_on_start": (ANY, "rlcore evaluates before training whatever this says"),
     "eval_delay": (ANY, "rlcore evaluates before training and every train.eval_steps steps"),
     "eval_do_concat_batches": (ANY, "rlcore's greedy evaluation batches itself"),
     "eval_use_gather_object": (ANY, "rlcore's greedy evaluation batches itself"),
     "eval_accumulation_steps": (ANY, "rlcore's greedy evaluation batches itself"),
-    "include_for_metrics": (ANY, "rlcore's evaluation reports held-out accuracy"),
-    "batch_eval_metrics": (ANY, "rlcore's evaluation reports held-out accuracy"),
-    "prediction_loss_only": (ANY, "rlcore's evaluation reports held-out accuracy"),
+    "include_for_metrics": (ANY, "rlcore's evaluation reports held-out accuracy and rewards"),
+    "batch_eval_metrics": (ANY, "rlcore's evaluation reports held-out accuracy and rewards"),
+    "prediction_loss_only": (ANY, "rlcore's evaluation reports held-out accuracy and rewards"),
     "bf16_full_eval": (ANY, "rlcore evaluates in the model's dtype"),
     "fp16_full_eval": ((False,), "fp16 is not supported"),
     "log_on_each_node": (ANY, "rank 0 writes the logs"),
