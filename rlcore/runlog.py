@@ -1,7 +1,7 @@
 """What a run records besides its checkpoints: the metrics row of each step (micro-batches and
 ranks combined), the progress line, how far long work has got (`Progress`), held-out accuracy
-in eval.jsonl, and the completions of each round in completions.jsonl (train.log_completions).
-Rank 0 writes; `reduce_metrics` is called on every rank.
+and rewards in eval.jsonl, and the completions of each round in completions.jsonl
+(train.log_completions). Rank 0 writes; `reduce_metrics` is called on every rank.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ optimizer, schedule, models, the resume check, evaluation); none of them decides
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import math
 import os
@@ -252,24 +253,25 @@ def evaluate(model, tok: Tokenizer, examples: list[dict], accuracy_fn, max_new_t
     share = f" (rank 0's share of {len(examples)})" if world > 1 else ""
     # [sum, count] of the weighted reward (column 0) and of each reward function's scores
     totals = torch.zeros(2, 1 + (len(rewards.names) if rewards else 0), dtype=torch.float64)
+    weights = torch.tensor(rewards.weights if rewards else [], dtype=torch.float64)
     logged, failure = defaultdict(list), None
     for i in range(0, len(mine), batch_size):
         chunk = mine[i:i + batch_size]
         ro = generate(model, [ex["prompt_ids"] for ex in chunk], 1, max_new_tokens,
                       eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id, temperature=0.0)
-        prompts, completions, values = reward_inputs(chunk, decode_completions(tok, ro), columns)
+        completion_ids = completion_token_ids(ro)
+        prompts, completions, values = reward_inputs(chunk, decode_completions(tok, completion_ids), columns)
         scores = accuracy_fn(prompts=prompts, completions=completions, **values)
         correct += sum(1.0 for s in scores if s is not None and s >= 1.0)
         scored += sum(s is not None for s in scores)
         if rewards:
             try:
-                R = rewards.score(prompts, completions, values, [c[:n].tolist() for c, n in
-                                                                 zip(ro.completion_ids, ro.lengths)], logged)
+                R = rewards.score(prompts, completions, values, completion_ids, logged)
             except (ValueError, TypeError, RuntimeError) as e:  # RewardFunctionError is a RuntimeError
                 failure = e
                 break  # the ranks raise it together below
             R = R.double()
-            both = torch.cat([weighted_rewards(R, torch.tensor(rewards.weights, dtype=torch.float64))[:, None], R], 1)
+            both = torch.cat([weighted_rewards(R, weights)[:, None], R], dim=1)
             totals += torch.stack([both.nansum(dim=0), (~both.isnan()).sum(dim=0)])
         if i + len(chunk) < len(mine):
             progress.report(f"{i + len(chunk)}/{len(mine)} prompts{share}")
@@ -303,10 +305,14 @@ def logprobs_in_batches(model, ids, attn, Lp: int, cids, b: int, temperature: fl
     return torch.cat(parts)
 
 
-def decode_completions(tok: Tokenizer, ro) -> list[str]:
+def completion_token_ids(ro) -> list[list[int]]:
+    """Each completion's token ids, without its padding."""
+    return [ids[:n].tolist() for ids, n in zip(ro.completion_ids, ro.lengths.tolist())]
+
+
+def decode_completions(tok: Tokenizer, completion_ids: list[list[int]]) -> list[str]:
     """Text of each completion, for the reward functions only (training uses the token ids)."""
-    return [tok.decode(ids[:n].tolist(), skip_special_tokens=True)
-            for ids, n in zip(ro.completion_ids, ro.lengths.tolist())]
+    return [tok.decode(ids, skip_special_tokens=True) for ids in completion_ids]
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -419,7 +425,10 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                                log_extra=lambda column, values: None)  # completions.jsonl holds the rounds' only
         return score_completions(reward_funcs, prompts, completions, values, lc.reward_on_error, extras)
 
-    held_out_rewards = EvalRewards(lc.reward_funcs, lc.reward_weights or [1.0] * len(reward_funcs), score_held_out)
+    held_out_eval = functools.partial(  # the held-out evaluation: before training, every eval_steps, after
+        evaluate, model, tok, eval_set, accuracy_fn, tc.eval_max_completion_length, rank=rank, world=world,
+        device=device, rewards=EvalRewards(lc.reward_funcs, lc.reward_weights or [1.0] * len(reward_funcs),
+                                           score_held_out))
     if ck:  # resume: every state the next step reads, exactly as the checkpoint left it
         if len(st["optimizer"]["param_groups"]) != len(opt.param_groups):  # one group before weight decay
             raise ValueError(f"{ck} was saved by an earlier rlcore (its optimizer state has one parameter "
@@ -449,8 +458,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
             drop_rows_after(run / "completions.jsonl", step)
             print(f"resumed from {ck} at step {step}", flush=True)
     else:  # a new run: the baseline, held-out accuracy before any RL step (a reward function's first call)
-        baseline = evaluate(model, tok, eval_set, accuracy_fn, tc.eval_max_completion_length,
-                            rank=rank, world=world, device=device, rewards=held_out_rewards)
+        baseline = held_out_eval()
         before = baseline["eval/accuracy"]
         if main:
             metrics_file.write_text("")
@@ -507,8 +515,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
 
         # 2. Rewards and advantages, over the whole round (all ranks) before it is cut up.
         t0 = clock(device)
-        prompts, completions, column_values = reward_inputs(rows, decode_completions(tok, ro), columns)
-        completion_ids = [c[:length].tolist() for c, length in zip(ro.completion_ids, ro.lengths)]
+        completion_ids = completion_token_ids(ro)
+        prompts, completions, column_values = reward_inputs(rows, decode_completions(tok, completion_ids), columns)
         logged, extra = defaultdict(list), {}  # what reward functions report (log_metric, log_extra)
         reward_state = RewardState(step, max_steps, (data_pos - N // G) / len(train_set), tc.num_train_epochs)
         trl_kwargs = reward_extras(completion_ids, reward_state,
@@ -705,8 +713,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         # last one when max_steps ends the run inside a round (the note below says so).
         if tc.eval_steps and step % tc.eval_steps < steps_per_round and step < max_steps:
             try:
-                held_out = evaluate(model, tok, eval_set, accuracy_fn, tc.eval_max_completion_length,
-                                    rank=rank, world=world, device=device, rewards=held_out_rewards)
+                held_out = held_out_eval()
             except (RewardFunctionError, TypeError, ValueError):  # a reward function's (every rank raises it)
                 if step > saved:
                     checkpoint(next_round())
@@ -721,8 +728,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         print(f"note: max_steps={max_steps} ended the run inside a round of {steps_per_round} optimizer "
               f"steps; a --resume with a larger max_steps starts a new round (the rest of this one is "
               f"not replayed)", flush=True)
-    held_out = evaluate(model, tok, eval_set, accuracy_fn, tc.eval_max_completion_length,
-                        rank=rank, world=world, device=device, rewards=held_out_rewards)
+    held_out = held_out_eval()
     if main:
         record_eval(run, step, held_out)
     after = held_out["eval/accuracy"]

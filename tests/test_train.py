@@ -989,7 +989,6 @@ def _evaluate_on_rank(rank, init_file, out_dir, model_dir):
 
     import torch.distributed as dist
 
-    import rlcore.train
     from rlcore.train import evaluate
 
     seen = []
@@ -1013,7 +1012,6 @@ def _evaluate_on_rank(rank, init_file, out_dir, model_dir):
 
 
 def test_a_long_evaluation_reports_each_batch(embedded_dir, monkeypatch, capsys):
-    import rlcore.train
     from rlcore.train import evaluate
 
     tok = Tokenizer.from_dir(embedded_dir)
