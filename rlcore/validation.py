@@ -182,7 +182,7 @@ def validate(config: Config, world_size: int = 1) -> None:
         if d.num_eval:
             warnings.warn("data.answer_column = '': held-out accuracy compares completions with reference answers "
                           "and there are none, so the run has none to report; set data.num_eval = 0 to skip its "
-                          "greedy generations",
+                          "greedy generations (which still give the reward functions' held-out scores)",
                           RlcoreWarning, stacklevel=2)
     if config.model.ref_path and lo.beta == 0:
         warnings.warn(f"model.ref_path = {config.model.ref_path!r} is read only when loss.beta != 0, and it is 0.0: "
