@@ -1,6 +1,7 @@
 """Rewards -> advantages (SPEC section 2), checked against hand-computed numbers."""
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -328,6 +329,11 @@ def test_an_infinite_score_is_an_error_naming_the_function_and_sample_and_nan_is
         score_completions([unbounded], PROMPTS, COMPLETIONS, COLUMNS)
     with pytest.raises(ValueError, match=r"returned 1e\+39 for sample 2 \(completion='ccc'\)"):  # was a RuntimeError
         score_completions([lambda prompts, completions, **kw: [0.0, 1.0, 1e39]], PROMPTS, COMPLETIONS, COLUMNS)
+    for huge in (10**400, -Fraction(10**400, 3)):  # past any float: was an OverflowError from math.isnan
+        with pytest.raises(ValueError, match=r"returned -?(1000|Fraction).*\.\.\. for sample 0 .*finite in float32"):
+            score_completions([lambda prompts, completions, **kw: [huge, 1.0, 0.0]], PROMPTS, COMPLETIONS, COLUMNS)
+    assert score_completions([lambda prompts, completions, **kw: [Fraction(1, 4), 2, True]], PROMPTS, COMPLETIONS,
+                             COLUMNS)[:, 0].tolist() == [0.25, 2.0, 1.0]
     nan = score_completions([lambda prompts, completions, **kw: [0.5, math.nan, None]], PROMPTS, COMPLETIONS, COLUMNS)
     assert nan[0, 0] == 0.5 and nan[1:].isnan().all()  # NaN scores as None does (TRL turns None into NaN)
 

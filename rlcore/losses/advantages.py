@@ -7,7 +7,6 @@ Dr. GRPO (Liu et al. 2025, arXiv:2503.20783) drops the std: A_i = r_i - mean_g(r
 
 import asyncio
 import inspect
-import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence, Set
 
@@ -138,11 +137,11 @@ def _check_scores(name: str, values, n: int, completions: list | None = None, fi
         if value is not None and not isinstance(value, numbers.Real):
             raise TypeError(f"reward function {name} returned {value!r} ({type(value).__name__}) "
                             f"for sample {first + i}; expected a float or None")
-        if value is not None and not math.isnan(value) and abs(value) > FLOAT32_MAX:
+        if value is not None and abs(value) > FLOAT32_MAX:  # False for NaN; exact for ints past any float
             sample = "" if completions is None else f" (completion={_short(completions[i])})"
-            raise ValueError(f"reward function {name} returned {value} for sample {first + i}{sample}; scores must be "
-                             f"finite in float32, |score| <= {FLOAT32_MAX:.3g} (an infinite reward zeroes its "
-                             f"whole group's advantages): return None where a completion cannot be scored")
+            raise ValueError(f"reward function {name} returned {_short(value, 40)} for sample {first + i}{sample}; "
+                             f"scores must be finite in float32, |score| <= {FLOAT32_MAX:.3g} (an infinite reward "
+                             f"zeroes its whole group's advantages): return None where a completion cannot be scored")
     return values
 
 
