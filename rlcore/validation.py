@@ -47,6 +47,9 @@ def warn_bf16_weights(config: Config, setting: str) -> None:
                   "train.bf16 = true (TRL's bf16=True)", RlcoreWarning, stacklevel=3)
 
 
+SCHEDULE_EXAMPLE = {"num_cycles": 0.5, "min_lr_rate": 0.1, "min_lr": 1e-7}  # lr_scheduler_kwargs in examples
+
+
 def validate(config: Config, world_size: int = 1) -> None:
     """Check ranges and batch-size consistency (SPEC section 1); raise one ConfigError listing every problem."""
     problems = []
@@ -231,6 +234,19 @@ def validate(config: Config, world_size: int = 1) -> None:
     need(not extra, f"train.lr_scheduler_kwargs = {t.lr_scheduler_kwargs} has {sorted(extra)}, which "
          f"lr_scheduler_type = {t.lr_scheduler_type!r} does not take; it takes "
          f"{sorted(allowed.get(t.lr_scheduler_type, [])) or 'none'}")
+    for key, value in t.lr_scheduler_kwargs.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            need(False, f"train.lr_scheduler_kwargs.{key} = {value!r} ({type(value).__name__}) must be a finite "
+                 f"number, e.g. lr_scheduler_kwargs = {{{key} = {SCHEDULE_EXAMPLE.get(key, 0.5)}}}")
+        elif key == "num_cycles":
+            need(value > 0, f"train.lr_scheduler_kwargs.num_cycles = {value} must be > 0 (0.5: one half-cosine "
+                 f"to the end)")
+        elif key == "min_lr_rate":
+            need(0 <= value <= 1, f"train.lr_scheduler_kwargs.min_lr_rate = {value} must be in [0, 1] (a fraction of "
+                 f"train.learning_rate)")
+        elif key == "min_lr":
+            need(0 <= value <= t.learning_rate, f"train.lr_scheduler_kwargs.min_lr = {value} must be in "
+                 f"[0, train.learning_rate = {t.learning_rate}]")
     need(t.lr_scheduler_type != "cosine_with_min_lr" or len({"min_lr", "min_lr_rate"} & set(t.lr_scheduler_kwargs)) == 1,
          f"train.lr_scheduler_type = 'cosine_with_min_lr' needs exactly one of min_lr (a rate) or min_lr_rate (a "
          f"fraction of learning_rate) in train.lr_scheduler_kwargs, got {t.lr_scheduler_kwargs}; e.g. "

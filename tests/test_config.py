@@ -655,6 +655,21 @@ def test_schedules_are_transformers_after_the_warmup_and_start_above_zero(kind, 
     (["train.lr_scheduler_type=cosine_with_min_lr"], r"needs exactly one of min_lr \(a rate\) or min_lr_rate"),
     (["train.lr_scheduler_type=linear", "lr_scheduler_kwargs={num_cycles = 2}"],
      r"has \['num_cycles'\], which lr_scheduler_type = 'linear' does not take; it takes none"),
+    # values: were checked only when the schedule ran ("can't multiply sequence by non-int of type 'float'")
+    (["train.lr_scheduler_type=cosine", 'train.lr_scheduler_kwargs={num_cycles="x"}'],
+     r"lr_scheduler_kwargs\.num_cycles = 'x' \(str\) must be a finite number, e\.g\. lr_scheduler_kwargs = "
+     r"\{num_cycles = 0\.5\}"),
+    (["train.lr_scheduler_type=cosine_with_min_lr", "train.lr_scheduler_kwargs={min_lr_rate=nan}"],
+     r"min_lr_rate = nan \(float\) must be a finite number"),
+    (["train.lr_scheduler_type=cosine_with_min_lr", "train.lr_scheduler_kwargs={min_lr_rate=true}"],
+     r"min_lr_rate = True \(bool\) must be a finite number"),
+    # ranges: min_lr_rate = 5 raised the rate to 4.9x over the run; num_cycles = -2 oscillated
+    (["train.lr_scheduler_type=cosine_with_min_lr", "train.lr_scheduler_kwargs={min_lr_rate=5}"],
+     r"min_lr_rate = 5 must be in \[0, 1\] \(a fraction of train\.learning_rate\)"),
+    (["train.lr_scheduler_type=cosine_with_min_lr", "train.learning_rate=1e-6", "train.lr_scheduler_kwargs={min_lr=1e-5}"],
+     r"min_lr = 1e-05 must be in \[0, train\.learning_rate = 1e-06\]"),
+    (["train.lr_scheduler_type=cosine", "train.lr_scheduler_kwargs={num_cycles=-2}"],
+     r"num_cycles = -2 must be > 0"),
 ])
 def test_schedule_arguments_are_checked(items, expected):
     with pytest.raises(ConfigError, match=expected):
