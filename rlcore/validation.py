@@ -7,6 +7,7 @@ option combinations that conflict (errors) or that TRL also warns about (warning
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import typing
@@ -50,8 +51,31 @@ def warn_bf16_weights(config: Config, setting: str) -> None:
 SCHEDULE_EXAMPLE = {"num_cycles": 0.5, "min_lr_rate": 0.1, "min_lr": 1e-7}  # lr_scheduler_kwargs in examples
 
 
+# The options where inf reads as "no limit" and works as one; every other number must be finite.
+INF_MEANS_NO_LIMIT = {"loss.epsilon_high", "loss.delta", "loss.tis_max", "loss.entropy_coef_max",
+                      "loss.off_policy_mask_threshold", "train.max_grad_norm"}
+
+
+def non_finite(config: Config) -> list[str]:
+    """A problem for each NaN option, and each infinite one outside INF_MEANS_NO_LIMIT (loss.beta = inf
+    skipped every step as non-finite; a NaN reward weight dropped its function from the reward)."""
+    problems = []
+    for section in dataclasses.fields(config):
+        options = getattr(config, section.name)
+        for option in dataclasses.fields(options):
+            key, value = f"{section.name}.{option.name}", getattr(options, option.name)
+            numbers = [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, float)]
+            if any(math.isnan(v) for v in numbers) or (any(math.isinf(v) for v in numbers)
+                                                       and key not in INF_MEANS_NO_LIMIT):
+                problems.append(f"{key} = {value} must be {'finite numbers' if isinstance(value, list) else 'a finite number'}")
+    return problems
+
+
 def validate(config: Config, world_size: int = 1) -> None:
-    """Check ranges and batch-size consistency (SPEC section 1); raise one ConfigError listing every problem."""
+    """Check ranges and batch-size consistency (SPEC section 1); raise one ConfigError listing every problem
+    (NaN and infinite values first, alone: the range checks would misread them)."""
+    if problems := non_finite(config):
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
     problems = []
     d, r, lo, t = config.data, config.rollout, config.loss, config.train
 
@@ -136,7 +160,6 @@ def validate(config: Config, world_size: int = 1) -> None:
         need(0 <= lo.ref_model_mixup_alpha <= 1, f"loss.ref_model_mixup_alpha = {lo.ref_model_mixup_alpha} must be "
              f"in [0, 1] (TRL's default 0.6)")
         need(lo.ref_model_sync_steps >= 1, f"loss.ref_model_sync_steps = {lo.ref_model_sync_steps} must be >= 1")
-    need(math.isfinite(lo.entropy_coef), f"loss.entropy_coef = {lo.entropy_coef} must be a finite number; 0.0 = off")
     if lo.use_adaptive_entropy:
         need(lo.entropy_coef_delta > 0, f"loss.entropy_coef_delta = {lo.entropy_coef_delta} must be > 0 with "
              f"loss.use_adaptive_entropy = true (0.005 is TRL's default)")

@@ -527,6 +527,29 @@ def test_out_of_range_value_is_named(item, expected):
 
 
 @pytest.mark.parametrize("items, expected", [
+    # a NaN weight silently dropped its function from the reward (and the step line read 'reward 0.000')
+    (["loss.reward_funcs=['accuracy', 'format']", "loss.reward_weights=[nan, 1.0]"],
+     r"loss\.reward_weights = \[nan, 1\.0\] must be finite numbers$"),
+    (["loss.reward_funcs=['accuracy', 'format']", "loss.reward_weights=[inf, 1.0]"], r"reward_weights = \[inf, 1\.0\]"),
+    (["loss.beta=inf"], r"loss\.beta = inf must be a finite number$"),  # skipped every step as non-finite
+    (["train.num_train_epochs=inf", "train.max_steps=-1"], r"num_train_epochs = inf must be a finite number$"),
+    (["rollout.temperature=inf", "train.learning_rate=nan"], r"temperature = inf must be a finite number\n  - "
+                                                           r"train\.learning_rate = nan must be a finite number$"),
+    (["train.max_grad_norm=nan"], r"max_grad_norm = nan must be a finite number$"),  # inf is "no clipping"
+])
+def test_nan_and_inf_options_are_errors_on_their_own(items, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, items)
+
+
+def test_inf_is_no_limit_where_it_means_one():
+    cfg = load_config(None, ["loss.delta=inf", "train.max_grad_norm=inf", "loss.tis_max=inf",
+                             "loss.off_policy_mask_threshold=inf"])
+    assert (cfg.loss.delta, cfg.train.max_grad_norm, cfg.loss.tis_max) == (math.inf,) * 3
+    assert load_config(None, ["loss.epsilon_high=inf"]).loss.epsilon_high == math.inf  # no upper clip
+
+
+@pytest.mark.parametrize("items, expected", [
     (["loss.entropy_coef=nan"], r"loss\.entropy_coef = nan must be a finite number"),
     (["loss.use_adaptive_entropy=true", "loss.entropy_coef=2.0"],
      r"loss\.entropy_coef = 2\.0 must lie in \[entropy_coef_min, entropy_coef_max\] = \[0\.0, 1\.0\]"),
