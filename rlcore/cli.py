@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -64,6 +65,25 @@ def report(message: str, error: BaseException | None = None) -> None:
     (more ranks than GPUs) is printed by the rank that met it."""
     if launch_rank() == 0 or getattr(error, "rank_local", False):
         print(message, file=sys.stderr)
+
+
+def internal_origin(error: BaseException) -> str:
+    """For an error that no `raise` of rlcore's wrote (a Python or library error inside rlcore,
+    which names no option or value, e.g. "can't multiply sequence by non-int of type 'float'"):
+    where it came from, for a bug report. '' for rlcore's own messages, which say it all."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return ""
+    last = frames[-1]
+    package = Path(__file__).parent
+    if Path(last.filename).is_relative_to(package) and (last.line or "").startswith("raise"):
+        return ""
+    where = os.path.relpath(last.filename, package.parent) if Path(last.filename).is_relative_to(package) \
+        else last.filename
+    return f"\nrlcore: (raised at {where}:{last.lineno} in {last.name}; {TRACEBACK_VAR}=1 prints the traceback)"
+
+
+TRACEBACK_VAR = "RLCORE_TRACEBACK"  # set to 1: errors print their traceback too, for bug reports
 
 
 def plain_warnings(message, category, filename, lineno, file=None, line=None, *, shown: set,
@@ -136,7 +156,7 @@ def run_command(argv: list[str] | None = None) -> int:
                    help="override one config value, e.g. --set loss.beta=0.04 (repeatable)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
     p.epilog = ("Every option, with its default: rlcore options. A TRL GRPOConfig name works as it is, in a TOML "
-                "file or as --set beta=0.04.")
+                f"file or as --set beta=0.04. {TRACEBACK_VAR}=1 rlcore train ... prints an error's traceback.")
     sub.add_parser("options", help="print every config option with its type, default and meaning")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
@@ -225,7 +245,9 @@ def run_command(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, OSError, FloatingPointError) as e:
         # Bad input (checkpoint, data, reward function output, run directory) or a diverged run:
         # the message names the problem and the value; a traceback would only bury it.
-        report(f"rlcore: error: {e}", e)
+        if os.environ.get(TRACEBACK_VAR, "0") not in ("", "0"):
+            report("".join(traceback.format_exception(e)).rstrip("\n"), e)
+        report(f"rlcore: error: {e}{internal_origin(e)}", e)
         return 1
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (kill, a scheduler; torchrun passes on the signal it got)
         if launch_rank() != 0:

@@ -402,7 +402,11 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                          f"there is nothing to train; continue it with --set train.max_steps={done + 100} (or any "
                          f"number above {done})")
     if main:  # every input loaded and checked: a bad one leaves no run directory behind
-        run.mkdir(parents=True, exist_ok=True)
+        try:
+            run.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OSError(f"train.output_dir = {str(run)!r} cannot be created ({e.strerror or e}); give a directory "
+                          f"you can write to, e.g. --set train.output_dir=runs/my-run") from e
         # with absolute paths, so a --resume from another directory finds the model and data
         (run / "config.toml.tmp").write_text(RUN_CONFIG_HEADER + f"# ranks = {world}\n" +
                                              dump_config(with_absolute_paths(cfg)))

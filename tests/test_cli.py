@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -432,6 +433,45 @@ def test_a_diverged_run_is_an_error_not_a_traceback(tmp_path, capsys):
     assert main(cli_args(tmp_path / "run", "train.max_steps=2", "train.learning_rate=1e30",
                          "train.lr_scheduler_type=constant")) == 1
     assert "rlcore: error: the model's logits are not finite (NaN or inf) after the prompts" in capsys.readouterr().err
+
+
+def test_an_error_rlcore_did_not_word_says_where_it_came_from_and_the_traceback_switch(tmp_path, capsys,
+                                                                                       monkeypatch):
+    """rlcore's own errors are one line; any other ValueError / TypeError / OSError (a bug, or a
+    value no check caught) names no option, so the line says where it was raised."""
+    import rlcore.train
+    from rlcore.cli import internal_origin
+    from rlcore.config import load_config
+
+    cfg = load_config(None, ["train.lr_scheduler_type=cosine", "train.max_steps=10"])
+    cfg.train.lr_scheduler_kwargs = {"num_cycles": "x"}  # past the config check, as before it checked values
+    with pytest.raises(TypeError) as e:
+        rlcore.train.lr_lambda(cfg, 10)(5)
+    assert re.fullmatch(r"\nrlcore: \(raised at rlcore/train\.py:\d+ in f; RLCORE_TRACEBACK=1 prints the traceback\)",
+                        internal_origin(e.value))
+    with pytest.raises(ValueError) as e:
+        load_config(None, ["train.max_steps=0"])
+    assert internal_origin(e.value) == ""  # a raise of rlcore's: its message says it all
+
+    def broken(*args, **kwargs):
+        return "x" * 0.5
+
+    monkeypatch.setattr(rlcore.train, "lr_lambda", broken)
+    assert main(cli_args(tmp_path / "run", "train.max_steps=1")) == 1
+    err = capsys.readouterr().err
+    assert f"rlcore: error: can't multiply sequence by non-int of type 'float'\nrlcore: (raised at {__file__}:" in err
+    assert "Traceback" not in err
+    monkeypatch.setenv("RLCORE_TRACEBACK", "1")
+    assert main(cli_args(tmp_path / "run2", "train.max_steps=1")) == 1
+    err = capsys.readouterr().err
+    assert err.index("Traceback (most recent call last)") < err.index('return "x" * 0.5') < err.index("rlcore: error:")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_an_output_dir_that_cannot_be_created_names_the_option(tmp_path, capsys):
+    assert main(cli_args(Path("/proc/rlcore-no/run"), "train.max_steps=1")) == 1  # was '[Errno 2] ...' alone
+    assert ("rlcore: error: train.output_dir = '/proc/rlcore-no/run' cannot be created (No such file or directory); "
+            "give a directory you can write to") in capsys.readouterr().err
 
 
 def test_a_run_that_failed_before_its_first_checkpoint_says_how_to_start_over(tmp_path, capsys):
