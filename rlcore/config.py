@@ -381,18 +381,40 @@ def with_absolute_paths(config: Config) -> Config:
     return config
 
 
-def recorded_model(config_toml: Path) -> str | None:
-    """The model a run directory's config.toml records, read without applying or checking the
-    rest: its model.path, or for the embedded model "embedded (data.seed = S, data.num_eval = E)",
-    the keys its build depends on; None when the file is absent."""
+def recorded_sections(config_toml: Path) -> dict | None:
+    """A run directory's config.toml as written, without applying or checking it; None when absent."""
     if not config_toml.is_file():
         return None
     with open(config_toml, "rb") as f:
-        recorded = tomllib.load(f)
+        return tomllib.load(f)
+
+
+def recorded_model(config_toml: Path) -> str | None:
+    """The model a run directory's config.toml records: its model.path, or for the embedded model
+    "embedded (data.seed = S, data.num_eval = E)", the keys its build depends on; None when the
+    file is absent."""
+    if (recorded := recorded_sections(config_toml)) is None:
+        return None
     path, data = recorded.get("model", {}).get("path", ""), recorded.get("data", {})
     if path not in EMBEDDED_MODEL_PATHS:
         return path
     return embedded_model_name(data.get("seed", DataArgs.seed), data.get("num_eval", DataArgs.num_eval))
+
+
+DATA_SELECTION = ("task", "path", "eval_path", "num_train", "num_eval", "seed")  # which rows, in which order
+
+
+def changed_data(config_toml: Path, data: DataArgs) -> list[str]:
+    """`data.key = now (was before)` for each DATA_SELECTION option that differs from a run
+    directory's config.toml (a path the same file under another spelling does not differ)."""
+    recorded, defaults, changes = (recorded_sections(config_toml) or {}).get("data"), DataArgs(), []
+    for key in DATA_SELECTION if recorded is not None else ():
+        was, now = recorded.get(key, getattr(defaults, key)), getattr(data, key)
+        same_file = key.endswith("path") and was and now and Path(was).exists() and Path(now).exists() \
+            and os.path.samefile(was, now)
+        if was != now and not same_file:
+            changes.append(f"data.{key} = {now!r} (was {was!r})")
+    return changes
 
 
 def embedded_model_name(seed: int, num_eval: int) -> str:

@@ -38,8 +38,8 @@ import torch
 from rlcore.checkpoint import (RUN_CONFIG_HEADER, CheckpointError, check_model_dir, check_new_run_dir, checkpoint_step,
                                latest_checkpoint, load_model, load_resumed_model, load_trainer_state, resolve_dtype,
                                resume_command, save_checkpoint)
-from rlcore.config import (EMBEDDED_MODEL_PATHS, Config, TrainArgs, dump_config, embedded_model_name, recorded_model,
-                           with_absolute_paths)
+from rlcore.config import (EMBEDDED_MODEL_PATHS, Config, TrainArgs, changed_data, dump_config, embedded_model_name,
+                           recorded_model, with_absolute_paths)
 from rlcore import RlcoreWarning, distributed
 from rlcore.data import encode_prompts, load_examples
 from rlcore.embedded import build_embedded_model, cache_dir_name, why_a_model_of_its_own
@@ -334,6 +334,12 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         check_new_run_dir(run)
     if resume:
         check_resumed_model(run, cfg)
+        if changes := changed_data(run / "config.toml", cfg.data):
+            warnings.warn(f"--resume {run} with other data: {', '.join(changes)}. The checkpoint's data position "
+                          f"counts rows of the old order, the held-out set is drawn again (it may hold prompts the "
+                          f"run trained on), and 'before=' stays the old set's accuracy; drop those --set values to "
+                          f"continue the run as it was, or start a new run from a checkpoint's model/ directory",
+                          RlcoreWarning, stacklevel=2)
     torch.manual_seed(tc.seed)
 
     # Data and reward functions (checked before a model loads), model, tokenizer.

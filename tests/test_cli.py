@@ -112,6 +112,29 @@ def test_cli_resume_keeps_the_embedded_model_its_data_seed_built(tmp_path, capsy
     assert (run / "config.toml").read_bytes() == recorded  # and no second model was built
 
 
+def test_cli_resume_with_other_data_says_what_changed(tmp_path, capsys, monkeypatch):
+    """Another data.path / seed / num_train on --resume (was silent): the checkpoint's data position
+    counts rows of the old order, and the held-out set is drawn again."""
+    from rlcore.config import DataArgs, changed_data
+
+    run = tmp_path / "run"
+    assert main(cli_args(run, "train.max_steps=1")) == 0
+    assert main(["train", "--resume", str(run), "--set", "train.max_steps=2"]) == 0
+    assert "with other data" not in capsys.readouterr().err
+    assert main(["train", "--resume", str(run), "--set", "train.max_steps=3", "--set", "data.num_train=50"]) == 0
+    err = capsys.readouterr().err
+    assert f"rlcore: warning: --resume {run} with other data: data.num_train = 50 (was " in err
+    assert "the held-out set is drawn again (it may hold prompts the run trained on)" in err
+    # paths: another spelling of the recorded file is the same data
+    data = tmp_path / "d.jsonl"
+    data.write_text("")
+    (tmp_path / "config.toml").write_text(f'[data]\ntask = "jsonl"\npath = "{data}"\nseed = 3\n')
+    monkeypatch.chdir(tmp_path)
+    assert changed_data(tmp_path / "config.toml", DataArgs(task="jsonl", path="./d.jsonl", seed=3)) == []
+    assert changed_data(tmp_path / "config.toml", DataArgs(task="jsonl", path="e.jsonl", seed=4)) == [
+        f"data.path = 'e.jsonl' (was '{data}')", "data.seed = 4 (was 3)"]
+
+
 def test_cli_resume_keeps_the_runs_model_and_needs_it(tmp_path, capsys, embedded_dir, monkeypatch):
     model = tmp_path / "model"
     shutil.copytree(embedded_dir, model)
