@@ -479,6 +479,11 @@ def load_config(path: str | None = None, overrides: list[str] = (), world_size: 
     for section, values in layer.items():
         d.setdefault(section, {}).update(values)
     if ("train", "num_train_epochs") in given and ("train", "max_steps") not in given:
+        file_steps = d["train"].get("max_steps", -1) if ("train", "max_steps") in in_file else -1
+        if file_steps != -1:  # TRL keeps a positive max_steps over num_train_epochs: say which one runs
+            warnings.warn(f"--set train.num_train_epochs = {layer['train']['num_train_epochs']} replaces {path}'s "
+                          f"train.max_steps = {file_steps} (the run counts epochs; in TRL a positive max_steps would "
+                          f"win): add --set train.max_steps={file_steps} to keep it", RlcoreWarning, stacklevel=2)
         d["train"]["max_steps"] = -1  # the overrides mean the epochs, whatever the file's max_steps
     config = Config.from_dict(d)
     config.base = None if base is None else str(EMBEDDED_DEFAULT)  # not a field: the CLI says what it ran

@@ -4,13 +4,14 @@ name the key, the value and the fix."""
 import dataclasses
 import math
 import sys
+import re
 import typing
 import warnings
 from pathlib import Path
 
 import pytest
 
-from rlcore import EMBEDDED_DEFAULT
+from rlcore import EMBEDDED_DEFAULT, RlcoreWarning
 from rlcore.checkpoint import RUN_CONFIG_HEADER
 from rlcore.config import (SECTIONS, Config, ConfigError, config_to_dict, dump_config, field_docs,
                            load_config, options_table, parse_override)
@@ -88,7 +89,11 @@ def test_num_train_epochs_without_max_steps_means_count_the_epochs(tmp_path):
     assert (t.max_steps, t.num_train_epochs) == (-1, 2.0)
     t = load_config(write(tmp_path, "num_train_epochs = 2\nmax_steps = 10\n"), []).train
     assert t.max_steps == 10
-    t = load_config(write(tmp_path, "max_steps = 50\n"), ["num_train_epochs=1"]).train  # the later layer
+    path = write(tmp_path, "max_steps = 50\n")
+    with pytest.warns(RlcoreWarning, match=rf"--set train\.num_train_epochs = 1 replaces {re.escape(path)}'s "
+                                          r"train\.max_steps = 50 \(the run counts epochs; in TRL a positive "
+                                          r"max_steps would win\): add --set train\.max_steps=50 to keep it"):
+        t = load_config(path, ["num_train_epochs=1"]).train  # the later layer
     assert (t.max_steps, t.num_train_epochs) == (-1, 1.0)
     t = load_config(None, ["train.max_steps=7", "num_train_epochs=1"]).train
     assert t.max_steps == 7
