@@ -770,14 +770,29 @@ def _check_type(key: str, value, tp):
             hint = f"; did you mean {close[0]!r}?" if close else ""
             if key == "loss.loss_type" and value in typing.get_args(typing.get_type_hints(LossArgs)["policy_loss"]):
                 hint = f"; {value!r} is a policy loss: set loss.policy_loss = {value!r} (loss_type aggregates it)"
+            if key == "loss.loss_type" and str(value).lower() == "gspo":
+                hint = ("; GSPO is a sequence-level ratio, not an aggregation: set loss.importance_sampling_level = "
+                        "'sequence' with loss.loss_type = 'grpo' (TRL's GSPO recipe)")
             also = ", or true / false" if bool in base else ""
             raise ConfigError(f"{key} = {value!r} is not a valid choice; valid: "
                               f"{', '.join(repr(c) for c in choices)}{also}{hint}")
     quoted, literal = "", _toml_literal(value) if isinstance(value, str) else None
     if literal is not None and _convert(literal, tp)[0]:
         quoted = f" (in quotes, {value} is a string in TOML: write {key.split('.')[-1]} = {value})"
+    elif isinstance(value, str) and _accepts(tp, float) and _python_float(value) is not None:
+        quoted = (f" (TOML writes a number with a digit on each side of the point: "
+                  f"{key.split('.')[-1]} = {_python_float(value)!r})")  # .9 and 1. are Python's, not TOML's
     raise ConfigError(f"{key} = {value!r} has type {type(value).__name__}, expected "
                       f"{_describe(tp)}{quoted}; e.g. {_shell_set(f'{key}={_example(tp, key)}')}")
+
+
+def _python_float(text: str) -> float | None:
+    """`text` as Python reads a finite float (".9", "1."), or None."""
+    try:
+        number = float(text)
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _convert(value, tp) -> tuple[bool, object]:

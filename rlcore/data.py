@@ -216,6 +216,10 @@ def load_examples(data) -> tuple[list[dict], list[dict]]:
                             f"a separate file")
         evals = load_jsonl(data.eval_path, data.prompt_column, data.answer_column, key="data.eval_path",
                            train_path=data.path)
+        if len(evals) < data.num_eval:
+            n = len(evals)
+            warnings.warn(f"data.eval_path {data.eval_path} has {n} row{'s' * (n != 1)}, fewer than data.num_eval = "
+                          f"{data.num_eval}: the held-out evaluation runs on all {n}", RlcoreWarning, stacklevel=2)
         evals = evals[:data.num_eval]
     else:
         if len(rows) <= data.num_eval:

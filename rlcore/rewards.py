@@ -334,6 +334,11 @@ def load_reward_func(name: str) -> RewardFunc:
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # ImportError, or any error the module raises
+        missing = e.name if isinstance(e, ModuleNotFoundError) else None
+        if missing is not None and not (module_name == missing or module_name.startswith(missing + ".")):
+            raise ValueError(f"loss.reward_funcs entry {name!r}: module {module_name} was found, but it imports "
+                             f"{missing}, which is not installed (ModuleNotFoundError: {e}); install it (pip install "
+                             f"{missing.partition('.')[0]}, if that is its package's name)") from e
         raise ValueError(f"loss.reward_funcs entry {name!r} cannot be loaded ({type(e).__name__}: {e}); give "
                          f"'module:function' with the module importable (from the current directory or "
                          f"PYTHONPATH)") from e

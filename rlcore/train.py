@@ -547,9 +547,9 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         logged = distributed.concat_over_ranks(logged, world)  # every rank's log_metric values
         R = distributed.gather_rows(R.to(device), world)
         if main and R.isnan().all():
-            print(f"warning: no reward function scored any completion of round {round_no} "
-                  f"(all returned None or NaN), so every advantage is 0 and its steps learn nothing; check "
-                  f"loss.reward_funcs and the columns they need (data.answer_column)", flush=True)
+            warnings.warn(f"no reward function scored any completion of round {round_no} (all returned None or "
+                          f"NaN), so every advantage is 0 and its steps learn nothing; check loss.reward_funcs and "
+                          f"the columns they need (data.answer_column)", RlcoreWarning, stacklevel=2)
         every_adv, reward_stats = compute_advantages(R, G, lc.reward_weights, lc.scale_rewards,
                                                      reward_names=lc.reward_funcs,
                                                      multi_objective_aggregation=lc.multi_objective_aggregation)

@@ -188,6 +188,11 @@ FOREIGN = {
     "kl_loss_coef": "verl's; rlcore's is loss.beta", "ppo_epochs": "verl's; rlcore's is loss.num_iterations",
     "clip_ratio_low": "verl's; rlcore's is loss.epsilon", "clip_ratio_high": "verl's; rlcore's is loss.epsilon_high",
     "clip_ratio_c": "verl's dual-clip bound; rlcore's is loss.delta",
+    "clip_ratio": "verl's symmetric clip; rlcore's is loss.epsilon (and loss.epsilon_high for the upper side)",
+    "kl_coef": "verl's in-reward KL (algorithm.kl_ctrl); rlcore's KL term is loss.beta",
+    "lr": "rlcore's (TRL's) is train.learning_rate",
+    "n": "verl's samples per prompt (rollout.n); rlcore's is rollout.num_generations",
+    "response_length": "verl's; rlcore's is rollout.max_completion_length",
     "load_in_4bit": NO_QUANT, "load_in_8bit": NO_QUANT, "full_finetuning": "rlcore always trains every weight",
     "lora_rank": NO_LORA, "lora_r": NO_LORA, "lora_alpha": NO_LORA, "lora_dropout": NO_LORA,
     "target_modules": NO_LORA, "use_peft": NO_LORA, "lora_target_modules": NO_LORA,
@@ -200,7 +205,7 @@ FOREIGN = {
 
 def foreign(key: str) -> str | None:
     """What rlcore has instead of another framework's `key` (a section, or a dotted or flat name)."""
-    for part in (key, key.rpartition(".")[2], key.partition(".")[0]):
+    for part in (key, key.partition(".")[0], key.rpartition(".")[2]):  # verl's tree before its leaves (rollout.n)
         if part in FOREIGN:
             return FOREIGN[part]
     return None

@@ -786,6 +786,16 @@ def test_a_home_relative_path_is_expanded(monkeypatch):
     ("data.train_batch_size=8", r"unknown config key data\.train_batch_size: verl's prompts per step"),
     ("load_in_4bit=true", r"unknown config key load_in_4bit: rlcore trains full-precision weights"),
     ("lora_rank=16", r"no LoRA"),
+    # from a user audit: verl's names, a Python float, GSPO as a loss_type
+    ("clip_ratio=0.2", r"unknown config key clip_ratio: verl's symmetric clip; rlcore's is loss\.epsilon"),
+    ("kl_coef=0.01", r"kl_coef: verl's in-reward KL .*rlcore's KL term is loss\.beta"),
+    ("rollout.n=8", r"rollout\.n: verl's samples per prompt \(rollout\.n\); rlcore's is rollout\.num_generations"),
+    ("lr=1e-6", r"unknown config key lr: rlcore's \(TRL's\) is train\.learning_rate"),
+    ("rollout.top_p=.9", r"top_p = '\.9' has type str, expected a float \(TOML writes a number with a digit on "
+                         r"each side of the point: top_p = 0\.9\)"),
+    ("train.learning_rate=1.", r"\(TOML writes a number with a digit on each side of the point: learning_rate = 1\.0\)"),
+    ("loss_type=gspo", r"loss\.loss_type = 'gspo' is not a valid choice; .*set loss\.importance_sampling_level = "
+                       r"'sequence' with loss\.loss_type = 'grpo'"),
     ("frobnicate=1", r"unknown config key frobnicate; `rlcore options` lists every option"),
     ("loss.reward_funcs=3", r"expected a list of strings; e.g\. --set 'loss\.reward_funcs=\[\"a\",\"b\"\]'"),
 ])

@@ -279,7 +279,9 @@ def test_jsonl_num_train_caps_training_rows(tmp_path):
 def test_jsonl_eval_path_is_the_eval_set(tmp_path):
     path = write_jsonl(tmp_path, [{"prompt": f"q{i}", "answer": str(i)} for i in range(10)])
     eval_path = write_jsonl(tmp_path, [{"prompt": "test", "answer": "0"}], name="test.jsonl")
-    train, evals = load_examples(DataArgs(task="jsonl", path=path, eval_path=eval_path, num_train=0))
+    with pytest.warns(RlcoreWarning, match=r"test\.jsonl has 1 row, fewer than data\.num_eval = 32: the held-out "
+                                          r"evaluation runs on all 1"):  # was silent
+        train, evals = load_examples(DataArgs(task="jsonl", path=path, eval_path=eval_path, num_train=0))
     assert len(train) == 10 and [ex["prompt"] for ex in evals] == ["test"]
 
 

@@ -211,6 +211,16 @@ def test_get_reward_funcs_names_an_error_raised_while_importing_the_module(tmp_p
         get_reward_funcs(["broken_rewards:f"])
 
 
+def test_a_module_that_imports_a_missing_package_names_the_package_not_the_module(tmp_path, monkeypatch):
+    reward_module(tmp_path, monkeypatch, "judge_rewards", "import rlcore_no_such_pkg.sub\ndef f(**kw):\n    return []\n")
+    with pytest.raises(ValueError, match=r"'judge_rewards:f': module judge_rewards was found, but it imports "
+                                         r"rlcore_no_such_pkg, which is not installed .*pip install "
+                                         r"rlcore_no_such_pkg, if"):  # was: 'give module:function importable'
+        get_reward_funcs(["judge_rewards:f"])
+    with pytest.raises(ValueError, match=r"'rlcore_no_such_pkg\.judge:f' cannot be loaded \(ModuleNotFoundError"):
+        get_reward_funcs(["rlcore_no_such_pkg.judge:f"])  # the named module (its package) is missing: the old advice
+
+
 CLASS_REWARD = """
 class ClassReward:
     def __init__(self, scale=1.0):
