@@ -23,7 +23,7 @@ Measured on this project's 2-core Intel CPU (benchmark model, 64 rows, 131 cache
 per step against 54-60 ms through the `nn.Module` forward (a throwaway per-step timing on
 bench/rollout.py's model; the bench itself prints whole-rollout tokens/s). On the project's AMD
 EPYC machine (AVX2) the same step takes about 71 ms, and `weight @ x.T` products would take it to
-63 ms with the same bits (README, Benchmarks); not adopted, as it was never measured on Intel.
+63 ms with the same bits (docs/benchmarks.md); not adopted, as it was never measured on Intel.
 """
 
 from __future__ import annotations
