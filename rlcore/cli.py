@@ -67,6 +67,9 @@ def report(message: str, error: BaseException | None = None) -> None:
         print(message, file=sys.stderr)
 
 
+TRACEBACK_VAR = "RLCORE_TRACEBACK"  # set to 1: errors print their traceback too, for bug reports
+
+
 def internal_origin(error: BaseException) -> str:
     """For an error that no `raise` of rlcore's wrote (a Python or library error inside rlcore,
     which names no option or value, e.g. "can't multiply sequence by non-int of type 'float'"):
@@ -81,9 +84,6 @@ def internal_origin(error: BaseException) -> str:
     where = os.path.relpath(last.filename, package.parent) if Path(last.filename).is_relative_to(package) \
         else last.filename
     return f"\nrlcore: (raised at {where}:{last.lineno} in {last.name}; {TRACEBACK_VAR}=1 prints the traceback)"
-
-
-TRACEBACK_VAR = "RLCORE_TRACEBACK"  # set to 1: errors print their traceback too, for bug reports
 
 
 def plain_warnings(message, category, filename, lineno, file=None, line=None, *, shown: set,

@@ -407,8 +407,8 @@ DATA_SELECTION = ("task", "path", "eval_path", "num_train", "num_eval", "seed") 
 def changed_data(config_toml: Path, data: DataArgs) -> list[str]:
     """`data.key = now (was before)` for each DATA_SELECTION option that differs from a run
     directory's config.toml (a path the same file under another spelling does not differ)."""
-    recorded, defaults, changes = (recorded_sections(config_toml) or {}).get("data"), DataArgs(), []
-    for key in DATA_SELECTION if recorded is not None else ():
+    recorded, defaults, changes = (recorded_sections(config_toml) or {}).get("data", {}), DataArgs(), []
+    for key in DATA_SELECTION:
         was, now = recorded.get(key, getattr(defaults, key)), getattr(data, key)
         same_file = key.endswith("path") and was and now and Path(was).exists() and Path(now).exists() \
             and os.path.samefile(was, now)

@@ -65,9 +65,10 @@ def non_finite(config: Config) -> list[str]:
         for option in dataclasses.fields(options):
             key, value = f"{section.name}.{option.name}", getattr(options, option.name)
             numbers = [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, float)]
-            if any(math.isnan(v) for v in numbers) or (any(math.isinf(v) for v in numbers)
-                                                       and key not in INF_MEANS_NO_LIMIT):
-                problems.append(f"{key} = {value} must be {'finite numbers' if isinstance(value, list) else 'a finite number'}")
+            nan, inf = any(map(math.isnan, numbers)), any(map(math.isinf, numbers))
+            if nan or (inf and key not in INF_MEANS_NO_LIMIT):
+                what = "finite numbers" if isinstance(value, list) else "a finite number"
+                problems.append(f"{key} = {value} must be {what}")
     return problems
 
 
