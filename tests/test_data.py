@@ -318,7 +318,7 @@ def test_eval_prompts_that_are_also_training_prompts_warn_with_the_first_line(tm
     with pytest.warns(RlcoreWarning, match=rf"1 of the 2 eval prompts are also training prompts \(first: "
                                            rf"{re.escape(eval_path)}:2\), so held-out accuracy is partly measured on "
                                            rf"training prompts; drop them from {re.escape(eval_path)}"):
-        load_examples(DataArgs(task="jsonl", path=path, eval_path=eval_path))
+        load_examples(DataArgs(task="jsonl", path=path, eval_path=eval_path, num_eval=2))  # the file's 2: no warning
 
 
 def test_a_prompt_held_out_of_data_path_that_it_also_trains_on_warns(tmp_path):
