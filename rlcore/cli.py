@@ -77,12 +77,11 @@ def internal_origin(error: BaseException) -> str:
     frames = traceback.extract_tb(error.__traceback__)
     if not frames:
         return ""
-    last = frames[-1]
-    package = Path(__file__).parent
-    if Path(last.filename).is_relative_to(package) and (last.line or "").startswith("raise"):
+    last, package = frames[-1], Path(__file__).parent
+    inside = Path(last.filename).is_relative_to(package)
+    if inside and (last.line or "").startswith("raise"):
         return ""
-    where = os.path.relpath(last.filename, package.parent) if Path(last.filename).is_relative_to(package) \
-        else last.filename
+    where = os.path.relpath(last.filename, package.parent) if inside else last.filename
     return f"\nrlcore: (raised at {where}:{last.lineno} in {last.name}; {TRACEBACK_VAR}=1 prints the traceback)"
 
 

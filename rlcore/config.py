@@ -779,9 +779,9 @@ def _check_type(key: str, value, tp):
     quoted, literal = "", _toml_literal(value) if isinstance(value, str) else None
     if literal is not None and _convert(literal, tp)[0]:
         quoted = f" (in quotes, {value} is a string in TOML: write {key.split('.')[-1]} = {value})"
-    elif isinstance(value, str) and _accepts(tp, float) and _python_float(value) is not None:
+    elif isinstance(value, str) and _accepts(tp, float) and (number := _python_float(value)) is not None:
         quoted = (f" (TOML writes a number with a digit on each side of the point: "
-                  f"{key.split('.')[-1]} = {_python_float(value)!r})")  # .9 and 1. are Python's, not TOML's
+                  f"{key.split('.')[-1]} = {number!r})")  # .9 and 1. are Python's, not TOML's
     raise ConfigError(f"{key} = {value!r} has type {type(value).__name__}, expected "
                       f"{_describe(tp)}{quoted}; e.g. {_shell_set(f'{key}={_example(tp, key)}')}")
 
