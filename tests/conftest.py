@@ -66,6 +66,21 @@ def hf_checkpoint(tmp_path):
     return build
 
 
+@pytest.fixture
+def qwen_dir(tmp_path):
+    """A tiny random Qwen2 checkpoint with a Qwen2.5-style tokenizer.json and chat template."""
+    from rlcore.tokenizer import Tokenizer
+    from test_tokenizer import qwen2_pipeline_checkpoint
+
+    path = qwen2_pipeline_checkpoint(tmp_path / "qwen")
+    tok = Tokenizer.from_dir(path)
+    model = make_hf_model("qwen2", vocab_size=512, max_position_embeddings=512)
+    model.config.eos_token_id = tok.eos_token_id
+    model.config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(path)
+    return path
+
+
 def exit_spawned_rank():
     """End an mp.spawn child once its results are on disk, without interpreter finalization.
 

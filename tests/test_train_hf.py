@@ -19,7 +19,7 @@ from rlcore.data import format_prompt
 from rlcore.rewards import get_reward_funcs
 from rlcore.tokenizer import Tokenizer
 from rlcore.train import train
-from test_tokenizer import llama_checkpoint, qwen2_pipeline_checkpoint
+from test_tokenizer import llama_checkpoint
 
 GSM8K_CONFIG = Path(__file__).parent.parent / "configs" / "qwen2.5-0.5b-gsm8k.toml"
 
@@ -34,17 +34,6 @@ def brevity(prompts, completions, **columns):
     Records each call's completions and answers."""
     BREVITY_CALLS.append((completions, columns.get("answer")))
     return [1.0 / (1 + len(c)) for c in completions]
-
-
-@pytest.fixture
-def qwen_dir(tmp_path):
-    path = qwen2_pipeline_checkpoint(tmp_path / "qwen")
-    tok = Tokenizer.from_dir(path)
-    model = make_hf_model("qwen2", vocab_size=512, max_position_embeddings=512)
-    model.config.eos_token_id = tok.eos_token_id
-    model.config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(path)
-    return path
 
 
 @pytest.fixture

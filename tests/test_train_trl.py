@@ -1,0 +1,164 @@
+"""The whole loop against TRL's GRPOTrainer, step for step: the same TRL keys, the same checkpoint
+and the same completions give the same gradient norms, learning rates and trained weights.
+
+test_losses_trl.py checks the loss on given log-probs. This checks everything around it, as two
+independent implementations: rlcore's model against transformers', and rlcore's loop (micro-batches,
+gradient accumulation, mu-epoch replay, old and reference log-probs, the temperature, AdamW and its
+weight-decay groups, the schedule with warmup, gradient clipping) against TRL's with transformers'
+Trainer. Sampling is the one thing replaced, on both sides: each round's completions are fixed
+token ids, handed to rlcore's loop in place of its engine and to TRL in place of its `_generate`,
+with the prompts' token ids rlcore's round drew. TRL shuffles a round's rows with the global RNG and
+rlcore with its own generator seeded by `seed`; TRL is given the permutations rlcore draws, so both
+cut the round into the same micro-batches.
+
+Where rlcore differs from TRL on purpose (README, defaults that differ from TRL's), the cases step
+around it: each names lr_scheduler_type (rlcore's default is constant, TRL's linear), none warms up
+(rlcore's warmup runs step s at (s+1)/(W+1), TRL's at s/W), and the off-policy case is not dapo
+(with steps_per_generation > GA, TRL's dapo divides by the round's tokens * GA / S, rlcore's by the
+step's own tokens: docs/losses.md).
+"""
+
+import json
+
+import pytest
+import torch
+
+from rlcore.config import load_config
+from rlcore.rollout.engine import Rollout
+from test_train_hf import write_gsm8k
+
+trl = pytest.importorskip("trl", reason="TRL is the reference")
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+G, T = 4, 6  # group size, completion tokens at most
+STEPS = 4
+
+COMMON = {"num_generations": G, "max_completion_length": T, "max_steps": STEPS, "learning_rate": 0.01,
+          "seed": 7, "per_device_train_batch_size": 4}
+
+# TRL GRPOConfig keys, given to both. The round is per_device_train_batch_size * steps_per_generation rows.
+CASES = {
+    "trl defaults (dapo, on-policy, linear decay), clipping": dict(
+        gradient_accumulation_steps=2, lr_scheduler_type="linear", max_grad_norm=0.05),
+    "grpo, mu = 2, beta, clip-higher, delta, weight decay, temperature": dict(
+        loss_type="grpo", gradient_accumulation_steps=2, num_iterations=2, beta=0.04,
+        use_bias_correction_kl=False, epsilon_high=0.28, delta=1.5, weight_decay=0.1, temperature=0.7,
+        lr_scheduler_type="cosine"),
+    "off-policy rounds (steps_per_generation > GA), bnpo, masked truncations": dict(
+        loss_type="bnpo", gradient_accumulation_steps=2, steps_per_generation=4, epsilon=0.1,
+        mask_truncated_completions=True, max_grad_norm=0.5, lr_scheduler_type="constant"),
+}
+
+
+def token_reward(prompts, completions, completion_ids, **kwargs):
+    """From the token ids alone (no decoding on either side); varies within every group."""
+    return [float(sum(t % 3 == 0 for t in ids)) - 0.3 * len(ids) for ids in completion_ids]
+
+
+def round_completions(round_no: int, n: int, eos: int) -> list[list[int]]:
+    """Round `round_no`'s n completions: ordinary tokens, most ended by EOS, some cut at T (truncated)."""
+    g = torch.Generator().manual_seed(1000 + round_no)
+    out = []
+    for i in range(n):
+        k = int(torch.randint(1, T + 1, (1,), generator=g))
+        ids = torch.randint(10, 120, (k,), generator=g).tolist()
+        out.append(ids[:-1] + [eos] if k < T or i % 3 else ids)
+    return out
+
+
+def as_rollout(prompts: list[list[int]], completions: list[list[int]], eos: int, pad: int) -> Rollout:
+    lengths = torch.tensor([len(c) for c in completions])
+    width = int(lengths.max())
+    ids = torch.full((len(completions), width), pad, dtype=torch.long)
+    for i, c in enumerate(completions):
+        ids[i, :len(c)] = torch.tensor(c)
+    mask = (torch.arange(width) < lengths[:, None]).long()
+    return Rollout(prompt_ids=prompts, completion_ids=ids, completion_mask=mask, lengths=lengths,
+                   truncated=torch.tensor([c[-1] != eos for c in completions]),
+                   sampling_logprobs=torch.zeros(len(completions), width), full_logprobs=None)
+
+
+def toml_value(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else repr(v)
+
+
+def run_rlcore(options: dict, qwen_dir, data, tmp_path, monkeypatch):
+    """rlcore's loop on the fixed completions; returns its prompts per round, metrics rows and weights."""
+    import rlcore.train
+    from rlcore.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(qwen_dir)
+    rounds = []
+
+    def fixed_generate(model, prompts, num_generations, max_new_tokens, **kwargs):
+        assert num_generations == 1 and max_new_tokens == T
+        rounds.append(prompts)
+        return as_rollout(prompts, round_completions(len(rounds) - 1, len(prompts), tok.eos_token_id),
+                          tok.eos_token_id, tok.pad_token_id)
+
+    monkeypatch.setattr(rlcore.train, "generate", fixed_generate)
+    run = tmp_path / "rlcore"
+    cfg = load_config(None, [f"{k}={toml_value(v)}" for k, v in {**COMMON, **options}.items()] + [
+        f"model.path={qwen_dir}", "data.task=jsonl", f"data.path={data}", "data.prompt_column=question",
+        "data.num_eval=0", f"loss.reward_funcs=['{__name__}:token_reward']", "train.device=cpu",
+        "train.bf16=false", f"train.output_dir={run}"])
+    rlcore.train.train(cfg)
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    weights = transformers.AutoModelForCausalLM.from_pretrained(run / f"checkpoint-{STEPS}" / "model").state_dict()
+    return rounds, rows, weights
+
+
+def run_trl(options: dict, qwen_dir, rounds, tmp_path, monkeypatch):
+    """TRL's GRPOTrainer on the same prompts and completions; returns its log history and weights."""
+    from datasets import Dataset
+
+    import trl.trainer.grpo_trainer as grpo
+
+    tok = transformers.AutoTokenizer.from_pretrained(qwen_dir)
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, report_to="none",
+                          use_vllm=False, logging_steps=1, save_strategy="no", **COMMON, **options)
+    trainer = trl.GRPOTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(qwen_dir),
+                              reward_funcs=token_reward, args=args, processing_class=tok,
+                              train_dataset=Dataset.from_dict({"prompt": [f"p{i}" for i in range(64)]}))
+    calls = []
+
+    def fixed_generate(prompts):
+        ids = rounds[len(calls)]  # the prompts rlcore drew for this round
+        assert len(prompts) == len(ids)
+        completions = round_completions(len(calls), len(ids), tok.eos_token_id)
+        calls.append(ids)
+        return ids, completions, None, tok.batch_decode(completions), None, {}, None, None
+
+    shuffler = torch.Generator().manual_seed(COMMON["seed"])  # rlcore's micro-batch order, round by round
+
+    def shuffle_as_rlcore(batch: dict) -> dict:
+        n = len(next(v for v in batch.values() if v is not None))
+        perm = torch.randperm(n, generator=shuffler)
+        return {k: v if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0)
+                else v[perm] if isinstance(v, torch.Tensor) else [v[i] for i in perm] for k, v in batch.items()}
+
+    trainer._generate = fixed_generate
+    monkeypatch.setattr(grpo, "shuffle_sequence_dict", shuffle_as_rlcore)
+    trainer.train()
+    assert len(calls) == len(rounds)
+    logs = [h for h in trainer.state.log_history if "grad_norm" in h]
+    return logs, trainer.model.state_dict()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_loop_trains_as_trls_grpo_trainer_on_the_same_completions(case, qwen_dir, tmp_path, monkeypatch):
+    options = CASES[case]
+    data = write_gsm8k(tmp_path / "prompts.jsonl", range(8))
+    init = transformers.AutoModelForCausalLM.from_pretrained(qwen_dir).state_dict()
+    rounds, rows, got = run_rlcore(options, qwen_dir, data, tmp_path, monkeypatch)
+    logs, want = run_trl(options, qwen_dir, rounds, tmp_path, monkeypatch)
+
+    assert len(rows) == len(logs) == STEPS
+    assert [r["grad_norm"] for r in rows] == pytest.approx([h["grad_norm"] for h in logs], rel=1e-4)
+    assert [r["lr"] for r in rows] == pytest.approx([h["learning_rate"] for h in logs], rel=1e-6)
+    assert got.keys() == want.keys()
+    for name in want:  # each tensor's update agrees to 0.1% (fp32: an element's Adam step is sign(grad) when
+        moved = want[name] - init[name]  # its gradient is rounding noise; a clip bound may fall either way)
+        assert moved.abs().max() > 1e-3, name  # it trained
+        assert (got[name] - init[name] - moved).norm() <= 1e-3 * moved.norm(), name
