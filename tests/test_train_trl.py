@@ -48,6 +48,9 @@ CASES = {
     "off-policy rounds (steps_per_generation > GA), bnpo, masked truncations": dict(
         loss_type="bnpo", gradient_accumulation_steps=2, steps_per_generation=4, epsilon=0.1,
         mask_truncated_completions=True, max_grad_norm=0.5, lr_scheduler_type="constant"),
+    "gspo's sequence ratios, mu = 3, dr_grpo, high-entropy tokens only": dict(
+        loss_type="dr_grpo", importance_sampling_level="sequence", epsilon=0.2, epsilon_high=0.28,
+        num_iterations=3, gradient_accumulation_steps=1, top_entropy_quantile=0.5, lr_scheduler_type="linear"),
 }
 
 
