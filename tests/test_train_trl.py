@@ -23,6 +23,7 @@ import json
 import pytest
 import torch
 
+from conftest import make_hf_model
 from rlcore.config import load_config
 from rlcore.rollout.engine import Rollout
 from test_train_hf import write_gsm8k
@@ -86,12 +87,12 @@ def toml_value(v) -> str:
     return str(v).lower() if isinstance(v, bool) else repr(v)
 
 
-def run_rlcore(options: dict, qwen_dir, data, tmp_path, monkeypatch):
+def run_rlcore(options: dict, model_dir, data, tmp_path, monkeypatch):
     """rlcore's loop on the fixed completions; returns its prompts per round, metrics rows and weights."""
     import rlcore.train
     from rlcore.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_dir(qwen_dir)
+    tok = Tokenizer.from_dir(model_dir)
     rounds = []
 
     def fixed_generate(model, prompts, num_generations, max_new_tokens, **kwargs):
@@ -103,7 +104,7 @@ def run_rlcore(options: dict, qwen_dir, data, tmp_path, monkeypatch):
     monkeypatch.setattr(rlcore.train, "generate", fixed_generate)
     run = tmp_path / "rlcore"
     cfg = load_config(None, [f"{k}={toml_value(v)}" for k, v in {**COMMON, **options}.items()] + [
-        f"model.path={qwen_dir}", "data.task=jsonl", f"data.path={data}", "data.prompt_column=question",
+        f"model.path={model_dir}", "data.task=jsonl", f"data.path={data}", "data.prompt_column=question",
         "data.num_eval=0", f"loss.reward_funcs=['{__name__}:token_reward']", "train.device=cpu",
         "train.bf16=false", f"train.output_dir={run}"])
     rlcore.train.train(cfg)
@@ -112,16 +113,16 @@ def run_rlcore(options: dict, qwen_dir, data, tmp_path, monkeypatch):
     return rounds, rows, weights
 
 
-def run_trl(options: dict, qwen_dir, rounds, tmp_path, monkeypatch):
+def run_trl(options: dict, model_dir, rounds, tmp_path, monkeypatch):
     """TRL's GRPOTrainer on the same prompts and completions; returns its log history and weights."""
     from datasets import Dataset
 
     import trl.trainer.grpo_trainer as grpo
 
-    tok = transformers.AutoTokenizer.from_pretrained(qwen_dir)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     args = trl.GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, report_to="none",
                           use_vllm=False, logging_steps=1, save_strategy="no", **COMMON, **options)
-    trainer = trl.GRPOTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(qwen_dir),
+    trainer = trl.GRPOTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(model_dir),
                               reward_funcs=token_reward, args=args, processing_class=tok,
                               train_dataset=Dataset.from_dict({"prompt": [f"p{i}" for i in range(64)]}))
     calls = []
@@ -149,13 +150,29 @@ def run_trl(options: dict, qwen_dir, rounds, tmp_path, monkeypatch):
     return logs, trainer.model.state_dict()
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_the_loop_trains_as_trls_grpo_trainer_on_the_same_completions(case, qwen_dir, tmp_path, monkeypatch):
-    options = CASES[case]
+def with_family(qwen_dir, family: str):
+    """qwen_dir's tokenizer with a tiny random model of `family` (conftest's FAMILIES)."""
+    from rlcore.tokenizer import Tokenizer
+
+    if family != "qwen2":
+        tok = Tokenizer.from_dir(qwen_dir)
+        model = make_hf_model(family, vocab_size=512, max_position_embeddings=512)
+        model.config.eos_token_id, model.config.pad_token_id = tok.eos_token_id, tok.pad_token_id
+        model.save_pretrained(qwen_dir)
+    return qwen_dir
+
+
+FIRST = next(iter(CASES))  # the other families (tied embeddings; Qwen3's q/k norms) on the first case
+
+
+@pytest.mark.parametrize("case, family", [(case, "qwen2") for case in CASES] +
+                         [(FIRST, "llama_tied"), (FIRST, "qwen3_tied")])
+def test_the_loop_trains_as_trls_grpo_trainer_on_the_same_completions(case, family, qwen_dir, tmp_path, monkeypatch):
+    options, model_dir = CASES[case], with_family(qwen_dir, family)
     data = write_gsm8k(tmp_path / "prompts.jsonl", range(8))
-    init = transformers.AutoModelForCausalLM.from_pretrained(qwen_dir).state_dict()
-    rounds, rows, got = run_rlcore(options, qwen_dir, data, tmp_path, monkeypatch)
-    logs, want = run_trl(options, qwen_dir, rounds, tmp_path, monkeypatch)
+    init = transformers.AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    rounds, rows, got = run_rlcore(options, model_dir, data, tmp_path, monkeypatch)
+    logs, want = run_trl(options, model_dir, rounds, tmp_path, monkeypatch)
 
     assert len(rows) == len(logs) == STEPS
     assert [r["grad_norm"] for r in rows] == pytest.approx([h["grad_norm"] for h in logs], rel=1e-4)
