@@ -81,6 +81,38 @@ def qwen_dir(tmp_path):
     return path
 
 
+def fixed_completions(round_no: int, n: int, eos: int, max_len: int) -> list[list[int]]:
+    """Round `round_no`'s first n completions, in place of sampling: ordinary token ids (10-119),
+    most ended by EOS, some cut at max_len (truncated). Row i is the same whatever n is."""
+    g = torch.Generator().manual_seed(1000 + round_no)
+    out = []
+    for i in range(n):
+        k = int(torch.randint(1, max_len + 1, (1,), generator=g))
+        ids = torch.randint(10, 120, (k,), generator=g).tolist()
+        out.append(ids[:-1] + [eos] if k < max_len or i % 3 else ids)
+    return out
+
+
+def token_reward(prompts, completions, completion_ids, **kwargs):
+    """A reward for fixed_completions, from the token ids alone (no decoding); varies within every group."""
+    return [float(sum(t % 3 == 0 for t in ids)) - 0.3 * len(ids) for ids in completion_ids]
+
+
+def fixed_rollout(prompts: list[list[int]], completions: list[list[int]], eos: int, pad: int):
+    """The Rollout the engine would return for these prompts and completions (sampling log-probs 0)."""
+    from rlcore.rollout.engine import Rollout
+
+    lengths = torch.tensor([len(c) for c in completions])
+    width = int(lengths.max())
+    ids = torch.full((len(completions), width), pad, dtype=torch.long)
+    for i, c in enumerate(completions):
+        ids[i, :len(c)] = torch.tensor(c)
+    mask = (torch.arange(width) < lengths[:, None]).long()
+    return Rollout(prompt_ids=prompts, completion_ids=ids, completion_mask=mask, lengths=lengths,
+                   truncated=torch.tensor([c[-1] != eos for c in completions]),
+                   sampling_logprobs=torch.zeros(len(completions), width), full_logprobs=None)
+
+
 def exit_spawned_rank():
     """End an mp.spawn child once its results are on disk, without interpreter finalization.
 

@@ -1,10 +1,12 @@
 """Data parallelism over 2 gloo processes: gradient averaging (every gradient becomes the exact mean of
-the ranks'), and the embedded default built once."""
+the ranks'), the embedded default built once, and 2 ranks training as one process does."""
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -104,3 +106,65 @@ print("not reached")
 def test_a_rank_leaves_with_its_status_after_the_atexit_handlers_and_flushed_output():
     out = subprocess.run([sys.executable, "-c", LEAVE], capture_output=True, text=True)
     assert (out.returncode, out.stdout, out.stderr) == (3, "output beforeatexit handler ran\n", "")
+
+
+# a script for `torchrun` (or plain python): `rlcore` with each round's completions fixed by its rows'
+# place in the round (conftest.fixed_completions), whatever the rank count
+FIXED_ROLLOUT = """
+import os, sys
+import rlcore.train
+from conftest import fixed_completions, fixed_rollout
+from rlcore.cli import main
+
+rounds = []
+
+def generate(model, prompts, num_generations, max_new_tokens, eos_token_ids, pad_token_id, **kwargs):
+    first = int(os.environ.get("RANK", "0")) * len(prompts)  # this rank's rows: first .. first + len(prompts) - 1
+    every = fixed_completions(len(rounds), first + len(prompts), eos_token_ids[0], max_new_tokens)
+    rounds.append(prompts)
+    return fixed_rollout(prompts, every[first:], eos_token_ids[0], pad_token_id)
+
+rlcore.train.generate = generate
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_two_ranks_train_as_one_rank_with_micro_batches_twice_as_large(loss_type, qwen_dir, tmp_path):
+    """README: with S = GA, P ranks of b-row micro-batches train as one process of b*P-row ones, to
+    fp32 rounding, on the same completions (an optimizer step then spans the whole round on every
+    rank, whatever each rank's shuffle). 2 gloo ranks x b = 3 against one process with b = 6, over
+    4 optimizer steps of mu = 2 replays with GA = 2: the same rewards, gradient norms and weights."""
+    from test_train import rows, torchrun, weights
+    from test_train_hf import write_gsm8k
+
+    script = tmp_path / "fixed_rollout.py"
+    script.write_text(FIXED_ROLLOUT)
+    data = write_gsm8k(tmp_path / "prompts.jsonl", range(8))
+    options = [f"model.path={qwen_dir}", "data.task=jsonl", f"data.path={data}", "data.prompt_column=question",
+               "data.num_eval=0", "rollout.num_generations=4", "rollout.max_completion_length=6",
+               f"loss.loss_type={loss_type}", "loss.num_iterations=2", "loss.reward_funcs=['conftest:token_reward']",
+               "train.gradient_accumulation_steps=2", "train.learning_rate=0.01", "train.max_steps=4",
+               "train.max_grad_norm=0.5", "train.device=cpu", "train.bf16=false"]
+
+    def args(run, b):
+        return ["train", *(a for o in [*options, f"train.output_dir={run}", f"train.per_device_train_batch_size={b}"]
+                           for a in ("--set", o))]
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    out = subprocess.run([sys.executable, str(script), *args(one, 6)], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = torchrun(tmp_path, *args(two, 3), script=script)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "2 rank(s) x 6 completions = 3 prompts x G=4 per round" in out.stdout
+
+    a, b = rows(one), rows(two)
+    assert [r["reward/mean"] for r in b] == [r["reward/mean"] for r in a]  # the same completions
+    assert [r["grad_norm"] for r in b] == pytest.approx([r["grad_norm"] for r in a], rel=1e-5)
+    wa, wb, init = weights(one / "checkpoint-4" / "model"), weights(two / "checkpoint-4" / "model"), weights(qwen_dir)
+    for name in wa:  # each tensor's update, to 0.1%: Adam moves an element whose gradient is rounding noise by
+        moved = wa[name] - init[name]  # its sign (k_proj's bias: softmax ignores a shift of all of a query's scores)
+        assert moved.abs().max() > 1e-3, name
+        assert (wb[name] - init[name] - moved).norm() <= 1e-3 * moved.norm(), name

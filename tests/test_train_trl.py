@@ -23,9 +23,8 @@ import json
 import pytest
 import torch
 
-from conftest import make_hf_model
+from conftest import fixed_completions, fixed_rollout, make_hf_model, token_reward
 from rlcore.config import load_config
-from rlcore.rollout.engine import Rollout
 from test_train_hf import write_gsm8k
 
 trl = pytest.importorskip("trl", reason="TRL is the reference")
@@ -55,34 +54,6 @@ CASES = {
 }
 
 
-def token_reward(prompts, completions, completion_ids, **kwargs):
-    """From the token ids alone (no decoding on either side); varies within every group."""
-    return [float(sum(t % 3 == 0 for t in ids)) - 0.3 * len(ids) for ids in completion_ids]
-
-
-def round_completions(round_no: int, n: int, eos: int) -> list[list[int]]:
-    """Round `round_no`'s n completions: ordinary tokens, most ended by EOS, some cut at T (truncated)."""
-    g = torch.Generator().manual_seed(1000 + round_no)
-    out = []
-    for i in range(n):
-        k = int(torch.randint(1, T + 1, (1,), generator=g))
-        ids = torch.randint(10, 120, (k,), generator=g).tolist()
-        out.append(ids[:-1] + [eos] if k < T or i % 3 else ids)
-    return out
-
-
-def as_rollout(prompts: list[list[int]], completions: list[list[int]], eos: int, pad: int) -> Rollout:
-    lengths = torch.tensor([len(c) for c in completions])
-    width = int(lengths.max())
-    ids = torch.full((len(completions), width), pad, dtype=torch.long)
-    for i, c in enumerate(completions):
-        ids[i, :len(c)] = torch.tensor(c)
-    mask = (torch.arange(width) < lengths[:, None]).long()
-    return Rollout(prompt_ids=prompts, completion_ids=ids, completion_mask=mask, lengths=lengths,
-                   truncated=torch.tensor([c[-1] != eos for c in completions]),
-                   sampling_logprobs=torch.zeros(len(completions), width), full_logprobs=None)
-
-
 def toml_value(v) -> str:
     return str(v).lower() if isinstance(v, bool) else repr(v)
 
@@ -98,14 +69,14 @@ def run_rlcore(options: dict, model_dir, data, tmp_path, monkeypatch):
     def fixed_generate(model, prompts, num_generations, max_new_tokens, **kwargs):
         assert num_generations == 1 and max_new_tokens == T
         rounds.append(prompts)
-        return as_rollout(prompts, round_completions(len(rounds) - 1, len(prompts), tok.eos_token_id),
-                          tok.eos_token_id, tok.pad_token_id)
+        return fixed_rollout(prompts, fixed_completions(len(rounds) - 1, len(prompts), tok.eos_token_id, T),
+                             tok.eos_token_id, tok.pad_token_id)
 
     monkeypatch.setattr(rlcore.train, "generate", fixed_generate)
     run = tmp_path / "rlcore"
     cfg = load_config(None, [f"{k}={toml_value(v)}" for k, v in {**COMMON, **options}.items()] + [
         f"model.path={model_dir}", "data.task=jsonl", f"data.path={data}", "data.prompt_column=question",
-        "data.num_eval=0", f"loss.reward_funcs=['{__name__}:token_reward']", "train.device=cpu",
+        "data.num_eval=0", "loss.reward_funcs=['conftest:token_reward']", "train.device=cpu",
         "train.bf16=false", f"train.output_dir={run}"])
     rlcore.train.train(cfg)
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
@@ -130,7 +101,7 @@ def run_trl(options: dict, model_dir, rounds, tmp_path, monkeypatch):
     def fixed_generate(prompts):
         ids = rounds[len(calls)]  # the prompts rlcore drew for this round
         assert len(prompts) == len(ids)
-        completions = round_completions(len(calls), len(ids), tok.eos_token_id)
+        completions = fixed_completions(len(calls), len(ids), tok.eos_token_id, T)
         calls.append(ids)
         return ids, completions, None, tok.batch_decode(completions), None, {}, None, None
 
