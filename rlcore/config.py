@@ -101,7 +101,7 @@ class RolloutArgs:
     repetition_penalty: float = 1.0
     """transformers' penalty on tokens already in prompt or completion: logit / this if > 0, else * this (1.0 = off)"""
     stop: list[str] = field(default_factory=list)
-    """strings that end a completion, in addition to EOS (matched on each string's own token ids)"""
+    """strings that end a completion (held-out ones too), besides EOS (matched on each string's own token ids)"""
     seed: int | None = None
     """sampling seed; None = train.seed"""
 

@@ -238,14 +238,15 @@ class EvalRewards:
 @torch.no_grad()
 def evaluate(model, tok: Tokenizer, examples: list[dict], accuracy_fn, max_new_tokens: int,
              batch_size: int = 128, rank: int = 0, world: int = 1, device: torch.device | None = None,
-             rewards: EvalRewards | None = None) -> dict:
+             rewards: EvalRewards | None = None, stop_sequences: list[list[int]] = ()) -> dict:
     """Held-out metrics of greedy completions: `eval/accuracy`, the fraction of prompts whose
     greedy answer scores 1 (a prompt the accuracy function cannot score, None, counts as wrong),
     or None when it scores none of them (no held-out prompts, data.num_eval = 0, or none with an
     answer to check). With `rewards` (EvalRewards), the reward functions score the same
     completions too, as TRL's evaluation does: `eval/reward/mean` (the weighted sum, over the
     prompts some function scored), `eval/reward/<name>/mean` per function, and `eval/<name>` per
-    log_metric name, each None when nothing was scored. Each of the `world` ranks answers every
+    log_metric name, each None when nothing was scored. A completion ends at EOS or at one of
+    `stop_sequences` (token ids: the rollout's, rollout.stop). Each of the `world` ranks answers every
     world-th prompt; every rank must call it, and a reward function's failure on one rank stops
     every rank. A long evaluation (a real model on CPU) says how many prompts rank 0 has done."""
     correct, scored, columns = 0.0, 0, dataset_columns(examples)
@@ -258,7 +259,8 @@ def evaluate(model, tok: Tokenizer, examples: list[dict], accuracy_fn, max_new_t
     for i in range(0, len(mine), batch_size):
         chunk = mine[i:i + batch_size]
         ro = generate(model, [ex["prompt_ids"] for ex in chunk], 1, max_new_tokens,
-                      eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id, temperature=0.0)
+                      eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id, temperature=0.0,
+                      stop_sequences=stop_sequences)
         completion_ids = completion_token_ids(ro)
         prompts, completions, values = reward_inputs(chunk, decode_completions(tok, completion_ids), columns)
         scores = accuracy_fn(prompts=prompts, completions=completions, **values)
@@ -438,7 +440,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
     held_out_eval = functools.partial(  # the held-out evaluation: before training, every eval_steps, after
         evaluate, model, tok, eval_set, accuracy_fn, tc.eval_max_completion_length, rank=rank, world=world,
         device=device, rewards=EvalRewards(lc.reward_funcs, lc.reward_weights or [1.0] * len(reward_funcs),
-                                           score_held_out))
+                                           score_held_out), stop_sequences=stop_sequences)
     if ck:  # resume: every state the next step reads, exactly as the checkpoint left it
         if len(st["optimizer"]["param_groups"]) != len(opt.param_groups):  # one group before weight decay
             raise ValueError(f"{ck} was saved by an earlier rlcore (its optimizer state has one parameter "

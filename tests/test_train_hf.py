@@ -134,7 +134,8 @@ def test_the_shipped_gsm8k_config_trains_a_step(qwen_dir, gsm8k_file, gsm8k_eval
 
 
 def test_stop_strings_are_encoded_without_the_bos_a_llama_tokenizer_adds(gsm8k_file, tmp_path, monkeypatch):
-    """A stop string is matched on its token ids; with BOS prepended it could never match."""
+    """A stop string is matched on its token ids; with BOS prepended it could never match. The
+    held-out evaluation stops at it too."""
     import rlcore.train
 
     path = llama_checkpoint(tmp_path / "llama")
@@ -145,9 +146,8 @@ def test_stop_strings_are_encoded_without_the_bos_a_llama_tokenizer_adds(gsm8k_f
     model.save_pretrained(path)
     seen, real = [], rlcore.train.generate
 
-    def spy(*args, **kwargs):  # records the rollout's stops (the greedy eval passes none)
-        if "stop_sequences" in kwargs:
-            seen.append(kwargs["stop_sequences"])
+    def spy(*args, **kwargs):  # records the stops of each call: the held-out evaluations' and the rollout's
+        seen.append(kwargs.get("stop_sequences"))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(rlcore.train, "generate", spy)
@@ -156,7 +156,8 @@ def test_stop_strings_are_encoded_without_the_bos_a_llama_tokenizer_adds(gsm8k_f
         "data.num_eval=4", "data.use_chat_template=false", "rollout.num_generations=4",
         "rollout.max_completion_length=6", 'rollout.stop=["</answer>"]', "train.per_device_train_batch_size=8",
         "train.max_steps=1", "train.device=cpu", f"train.output_dir={tmp_path / 'run'}"]))
-    (stops,) = seen
+    assert len(seen) == 3 and seen[0] == seen[1] == seen[2]  # eval before, the rollout, eval after: as TRL's
+    stops = seen[0]  # generation_kwargs' stop strings end its evaluation's completions too
     assert stops == tok.stop_ids("</answer>") and stops[0] == tok.encode("</answer>", add_special_tokens=False)
     assert all(tok.bos_token_id not in ids for ids in stops)
 
