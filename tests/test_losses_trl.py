@@ -13,7 +13,8 @@ the same log-probs, entropies, advantages and masks over one optimizer step of G
 The step losses, their gradients with respect to the log-probs and entropies, and the clip /
 KL / entropy metrics TRL logs must agree. The model forward is replaced by the given tensors
 (TRL's _get_per_token_logps_and_entropies), so this tests the loss alone; the log-probs
-themselves are tested against transformers in test_logprobs.py. A case with beta sets
+themselves are tested against transformers in test_model.py and test_shared_prompt.py, and the
+whole loop against TRL's GRPOTrainer in test_train_trl.py. A case with beta sets
 use_bias_correction_kl, whose default differs (README: defaults that differ from TRL's).
 """
 

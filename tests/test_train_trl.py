@@ -45,9 +45,9 @@ CASES = {
         loss_type="grpo", gradient_accumulation_steps=2, num_iterations=2, beta=0.04,
         use_bias_correction_kl=False, epsilon_high=0.28, delta=1.5, weight_decay=0.1, temperature=0.7,
         lr_scheduler_type="cosine"),
-    "off-policy rounds (steps_per_generation > GA), bnpo, masked truncations": dict(
+    "off-policy rounds (steps_per_generation > GA), bnpo, masked truncations, high-entropy tokens only": dict(
         loss_type="bnpo", gradient_accumulation_steps=2, steps_per_generation=4, epsilon=0.1,
-        mask_truncated_completions=True, max_grad_norm=0.5, lr_scheduler_type="constant"),
+        mask_truncated_completions=True, top_entropy_quantile=0.6, max_grad_norm=0.5, lr_scheduler_type="constant"),
     "gspo's sequence ratios, mu = 3, dr_grpo, high-entropy tokens only": dict(
         loss_type="dr_grpo", importance_sampling_level="sequence", epsilon=0.2, epsilon_high=0.28,
         num_iterations=3, gradient_accumulation_steps=1, top_entropy_quantile=0.5, lr_scheduler_type="linear"),
@@ -153,3 +153,31 @@ def test_the_loop_trains_as_trls_grpo_trainer_on_the_same_completions(case, fami
         moved = want[name] - init[name]  # its gradient is rounding noise; a clip bound may fall either way)
         assert moved.abs().max() > 1e-3, name  # it trained
         assert (got[name] - init[name] - moved).norm() <= 1e-3 * moved.norm(), name
+
+
+def test_with_s_above_ga_dapo_divides_by_each_steps_own_tokens_where_trl_takes_the_rounds_mean(
+        qwen_dir, tmp_path, monkeypatch):
+    """The difference the cases above step around (docs/losses.md): with steps_per_generation = 4 >
+    GA = 2, each micro-batch's dapo loss is its sum of l / the active tokens of its own optimizer step,
+    where TRL divides by the round's tokens * GA / S, which differs from it here."""
+    import rlcore.train
+
+    calls, real = [], rlcore.train.aggregate_loss
+
+    def spy(per_token, mask, loss_type, **kwargs):
+        loss = real(per_token, mask, loss_type, **kwargs)
+        calls.append((float((per_token * mask).sum()), float(mask.sum()), float(kwargs["step_tokens"]), loss.item()))
+        return loss
+
+    monkeypatch.setattr(rlcore.train, "aggregate_loss", spy)
+    data = write_gsm8k(tmp_path / "prompts.jsonl", range(8))
+    run_rlcore(dict(loss_type="dapo", gradient_accumulation_steps=2, steps_per_generation=4,
+                    lr_scheduler_type="constant"), qwen_dir, data, tmp_path, monkeypatch)
+    assert len(calls) == STEPS * 2  # 2 rounds of 4 micro-batches, 2 per optimizer step
+    steps = [calls[k:k + 2] for k in range(0, len(calls), 2)]
+    for step in steps:
+        tokens = sum(c[1] for c in step)
+        assert [c[2] for c in step] == [tokens, tokens]
+        assert [c[3] for c in step] == pytest.approx([c[0] / tokens for c in step], rel=1e-6)
+    trl_divisor = [sum(c[1] for c in calls[4 * r:4 * r + 4]) * 2 / 4 for r in (0, 0, 1, 1)]
+    assert [sum(c[1] for c in step) for step in steps] != pytest.approx(trl_divisor)
