@@ -413,6 +413,31 @@ def test_mismatch_metrics_compare_engine_and_trainer_logprobs(tmp_path, monkeypa
         assert r["mismatch/k3"] == pytest.approx(math.exp(c) - 1 - c, abs=1e-4)
 
 
+def test_tis_weights_the_loss_by_the_trainer_to_engine_ratio_clamped_at_tis_max(tmp_path, monkeypatch):
+    # The engine's log-probs shifted by -c make exp(old - samp) = e^c on every valid token (the shift
+    # changes no draw: the same completions and advantages). On-policy the per-token loss is linear
+    # in its weight, so token_truncate with tis_max above e^c scales the step's loss by e^c, and with
+    # tis_max below it by tis_max, every weight changed. Swapping old and samp would give e^-c.
+    import dataclasses
+
+    c, real = 0.5, rlcore.train.generate
+
+    def generate_shifted(*args, **kwargs):
+        ro = real(*args, **kwargs)
+        return dataclasses.replace(ro, sampling_logprobs=ro.sampling_logprobs - c)
+
+    monkeypatch.setattr(rlcore.train, "generate", generate_shifted)
+    train(config(tmp_path / "plain", "train.max_steps=1"))
+    (plain,) = rows(tmp_path / "plain")
+    assert abs(plain["loss"]) > 1e-4
+    for tis_max, weight, changed in ((3.0, math.exp(c), 0.0), (1.2, 1.2, 1.0)):
+        run = tmp_path / f"tis{tis_max}"
+        train(config(run, "train.max_steps=1", "loss.tis_mode=token_truncate", f"loss.tis_max={tis_max}"))
+        (r,) = rows(run)
+        assert r["tis/mean"] == pytest.approx(weight, rel=1e-4) and r["tis/frac_changed"] == changed
+        assert r["loss"] == pytest.approx(weight * plain["loss"], rel=1e-4)
+
+
 @pytest.mark.parametrize("mu", [1, 2])  # the training forward's log-probs (mu = 1), the old pass's (mu = 2)
 def test_trainer_logprobs_use_the_rollout_temperature(tmp_path, mu):
     # The engine samples from softmax(z / 0.7) and reports those log-probs; the trainer's must
