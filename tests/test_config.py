@@ -52,6 +52,38 @@ def test_defaults_are_spec_section_7():
     assert c.rollout.max_completion_length == 512
 
 
+# rlcore's defaults that differ from TRL 1.16's GRPOConfig: README's table "Defaults that differ
+# from TRL 1.16's" (bf16: TRL's None becomes True), or rlcore sections' own meaning of a shared name
+DIFFERENT_FROM_TRL = {"train.max_steps", "train.lr_scheduler_type", "train.bf16", "train.gradient_checkpointing",
+                      "train.logging_steps", "train.save_steps", "train.save_total_limit", "train.eval_steps",
+                      "train.output_dir", "loss.use_bias_correction_kl",
+                      "data.seed",      # the held-out split's seed; TRL's seed is train.seed (its 42)
+                      "rollout.seed"}   # None = train.seed, as TRL samples with its seed
+# the same default written two ways (no filter, no extra arguments)
+SAME_AS_NONE = {"rollout.min_p": 0.0, "data.chat_template_kwargs": {}, "train.lr_scheduler_kwargs": {}}
+
+
+def test_every_default_of_an_option_trl_also_has_is_trls_unless_the_readme_lists_it():
+    """Each rlcore option named as a TRL 1.16 GRPOConfig field has that field's default, except the
+    listed ones; a TRL release that changes a default fails here (update README's table)."""
+    trl = pytest.importorskip("trl", reason="TRL is the reference")
+
+    def default(f):
+        return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+    theirs = {f.name: default(f) for f in dataclasses.fields(trl.GRPOConfig)}
+    config, shared = Config(), {}
+    for section in dataclasses.fields(config):
+        for f in dataclasses.fields(getattr(config, section.name)):
+            if f.name in theirs:
+                shared[f"{section.name}.{f.name}"] = (default(f), theirs[f.name])
+    assert len(shared) > 50 and DIFFERENT_FROM_TRL | set(SAME_AS_NONE) <= set(shared)
+    differ = {key for key, (ours, trls) in shared.items()
+              if ours != trls and not (key in SAME_AS_NONE and trls is None and ours == SAME_AS_NONE[key])}
+    assert differ == DIFFERENT_FROM_TRL, {key: shared[key] for key in differ ^ DIFFERENT_FROM_TRL}
+    assert theirs["warmup_steps"] == 0 and "warmup_ratio" not in theirs  # transformers 5: warmup_steps < 1 is a ratio
+
+
 def test_defaults_pass_validation():
     validate(Config())
 
