@@ -262,32 +262,41 @@ def test_a_log_metric_name_that_is_one_of_rlcores_metrics_is_an_error(tmp_path):
         train(config(tmp_path / "run", "train.max_steps=1", f"loss.reward_funcs=['{__name__}:logs_loss']"))
 
 
-def logged_metric_is_the_mean_over_the_round(run, per_round):
+def logged_metric_is_the_mean_over_the_round(run, per_round, steps_per_round=1):
     """custom/first_digit of each step is first_digit's mean over its round in completions.jsonl."""
     got = [json.loads(ln) for ln in (run / "completions.jsonl").read_text().splitlines()]
     want = [sum(r["rewards"][f"{__name__}:first_digit"] for r in got[k:k + per_round]) / per_round
-            for k in range(0, len(got), per_round)]
+            for k in range(0, len(got), per_round) for _ in range(steps_per_round)]
     return [m["custom/first_digit"] for m in rows(run)] == pytest.approx(want, rel=1e-6)
 
 
-def test_log_completions_writes_every_completion_with_its_rewards_and_advantage(tmp_path, capsys):
+def test_log_completions_writes_every_completion_with_its_rewards_and_advantage(tmp_path, capsys, monkeypatch):
+    lengths, real = [], rlcore.train.generate
+
+    def generate(*args, **kwargs):  # records each rollout's lengths in tokens
+        ro = real(*args, **kwargs)
+        lengths.extend(ro.lengths.tolist() if kwargs["temperature"] > 0 else [])  # not the greedy evaluation
+        return ro
+
+    monkeypatch.setattr(rlcore.train, "generate", generate)
     run = tmp_path / "run"
-    train(config(run, "train.max_steps=2", "train.log_completions=true", "train.num_completions_to_print=2",
+    train(config(run, "train.max_steps=4", "loss.num_iterations=2", "train.log_completions=true",
+                 "train.num_completions_to_print=2",
                  f"loss.reward_funcs=['{__name__}:first_digit', '{__name__}:extra_and_metric']"))
     got = [json.loads(ln) for ln in (run / "completions.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in got] == [1] * 16 + [2] * 16  # one round per step, 16 completions each
+    assert [r["step"] for r in got] == [1] * 16 + [3] * 16  # a round's first step (mu = 2), 16 completions each
+    assert [r["length"] for r in got] == lengths  # tokens, the stop token included (the engine's completion_mask)
     for r in got:  # the scores, recomputed from the logged text
         assert r["rewards"] == pytest.approx({f"{__name__}:first_digit": first_digit([r["prompt"]], [r["completion"]])[0],
                                               f"{__name__}:extra_and_metric": 0.5}, rel=1e-6)  # fp32
         assert r["starts_with"] == r["completion"][:1] and r["length_chars"] == len(r["completion"])
-        assert 1 <= r["length"] <= 512
     for k in range(0, 32, 4):  # advantages: (r - group mean) / (group std + 1e-4), weights 1
         total = torch.tensor([sum(r["rewards"].values()) for r in got[k:k + 4]], dtype=torch.float64)
         want = (total - total.mean()) / (total.std() + 1e-4)
         assert [r["advantage"] for r in got[k:k + 4]] == pytest.approx(want.tolist(), abs=1e-5)
     out = capsys.readouterr().out
     assert "completion 1/16:" in out and "completion 9/16:" in out and out.count("  completion ") == 2 * 2
-    assert logged_metric_is_the_mean_over_the_round(run, 16)
+    assert logged_metric_is_the_mean_over_the_round(run, 16, steps_per_round=2)
 
 
 def test_a_fresh_run_does_not_append_to_a_crashed_attempts_completions(tmp_path):
