@@ -320,6 +320,27 @@ def test_normalize_then_sum_is_gdpo_group_normalised_per_function_then_batch_nor
         compute_advantages(R, 4, multi_objective_aggregation="mean")
 
 
+def test_normalize_then_sum_does_not_zero_a_group_of_equal_summed_rewards_but_counts_it_as_zero_std():
+    """docs/losses.md: under normalize_then_sum a group whose rewards are all equal is not zeroed (TRL's
+    formula), and frac_reward_zero_std still counts groups of equal summed rewards. Group 1's weighted
+    sums are all 4, but its functions move in opposite directions with weights 1 and 2, so its
+    normalised sums s are about [1, 0, -1] and its advantages are clearly non-zero. Reference: gdpo_reference,
+    the formula in plain Python."""
+    rows = [[0.0, 2.0], [2.0, 1.0], [4.0, 0.0],       # group 1: r = 0 + 4, 2 + 2, 4 + 0, all 4
+            [1.0, 0.0], [0.0, 1.0], [3.0, 1.0],       # group 2: r = 1, 2, 5
+            [1.0, 1.0], [1.0, None], [2.0, 0.0]]      # group 3: r = 3, 1, 2, a None
+    R = torch.tensor([[NAN if x is None else x for x in r] for r in rows])
+    adv, stats = compute_advantages(R, 3, reward_weights=[1.0, 2.0], multi_objective_aggregation="normalize_then_sum")
+    want = gdpo_reference(rows, 3, [1.0, 2.0])
+    close(adv, want, tol=1e-5)
+    assert min(abs(a) for a in want[:3:2]) > 0.5 and adv[:3:2].abs().min() > 0.5  # rows 0 and 2: not zeroed
+    r = [sum(w * x for w, x in zip([1.0, 2.0], row) if x is not None) for row in rows]
+    assert [len(set(r[g:g + 3])) < 2 for g in (0, 3, 6)] == [True, False, False]  # equal sums: group 1 only
+    assert stats["frac_reward_zero_std"] == pytest.approx(1 / 3)  # group 1 counted
+    summed, _ = compute_advantages(R, 3, reward_weights=[1.0, 2.0])
+    assert summed[:3].tolist() == [0.0] * 3  # sum_then_normalize does zero it
+
+
 def test_an_infinite_score_is_an_error_naming_the_function_and_sample_and_nan_is_none():
     def unbounded(prompts, completions, **kwargs):
         return [0.0, float("-inf"), 1.0]

@@ -81,6 +81,33 @@ def test_fp32_matches_fp64_reference(recompute):
 
 
 @pytest.mark.parametrize("recompute", [True, False])
+def test_entropy_and_its_gradient_stay_finite_where_the_fp32_softmax_underflows(recompute):
+    """docs/losses.md: the entropy's backward uses xlogy(q, q), so a q that underflowed to 0 adds 0
+    (q * log q would be 0 * -inf = NaN). fp32 logits with gaps of ~300 (exp(-300) is 0 in fp32, not in
+    fp64) against the naive fp64 log_softmax: entropy and both gradients finite and close."""
+    logits = torch.tensor([[[0.0, 0.7, -1.2, -300.0, -600.0, 2.0, -310.0, 0.3],
+                            [-300.0, -650.0, 1.0, 1.5, -320.0, -900.0, 0.2, -610.0],
+                            [5.0, -295.0, -600.0, -300.0, 4.5, -305.0, -580.0, 4.0]]])
+    assert (torch.softmax(logits, -1) == 0).sum() >= 12  # the fp32 softmax underflows
+    hidden = logits.clone().requires_grad_()
+    weight = torch.eye(8).requires_grad_()  # logits = hidden: the gradient w.r.t. hidden is the logits'
+    targets = torch.tensor([[1, 3, 0]])  # row 1's target has q = 0: logp = -301.5..., still finite
+    logp, entropy = token_logprobs(hidden, weight, targets, chunk_size=2, recompute=recompute)
+    hidden64, weight64 = (x.detach().double().requires_grad_() for x in (hidden, weight))
+    ref_logp, ref_entropy = naive_fp64(hidden64, weight64, targets)
+    torch.testing.assert_close(entropy.double(), ref_entropy, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logp.double(), ref_logp, rtol=1e-5, atol=1e-4)
+    up_logp, up_entropy = torch.tensor([[0.5, -1.0, 2.0]]), torch.tensor([[-0.3, 1.2, 0.8]])
+    loss = (logp * up_logp + entropy * up_entropy).sum()
+    ref_loss = (ref_logp * up_logp + ref_entropy * up_entropy).sum()
+    for got, want in zip(grads(loss, [hidden, weight], None), grads(ref_loss, [hidden64, weight64], None)):
+        assert got.isfinite().all()
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)  # |h| up to 900 in grad_W
+    for got, want in zip(grads(entropy.sum(), [hidden], None), grads(ref_entropy.sum(), [hidden64], None)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)  # the entropy's term alone
+
+
+@pytest.mark.parametrize("recompute", [True, False])
 def test_bf16_inputs_compute_in_fp32_and_return_bf16_grads(recompute):
     """bf16 h and W: logits are formed in fp32 from the bf16 values, so the only error left
     is fp32 rounding; grads come back in bf16 (one bf16 rounding of the fp64 grad)."""

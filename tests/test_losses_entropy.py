@@ -79,3 +79,35 @@ def test_adaptive_control_follows_the_token_mean_entropy_of_each_step():
     assert again.last_entropy == math.inf and again.applied() == 0.0
     again.load_state_dict(saved)
     assert (again.coef, again.last_entropy) == (bonus.coef, bonus.last_entropy)
+
+
+def test_adaptive_control_measures_the_entropy_over_the_kept_tokens_not_every_valid_token():
+    """docs/losses.md: with an entropy mask the controller's entropy is the token mean over the bonus's
+    tokens m' = mask * entropy_mask (not the logged `entropy`, over every valid token). Reference: the
+    kept tokens picked by hand (the top half of each micro-batch's distinct valid entropies) and
+    their mean in plain Python."""
+    from rlcore.losses.policy import entropy_mask, policy_loss
+
+    micro = [  # (entropy, mask): 6 then 4 valid tokens; the 9s are padding
+        (torch.tensor([[0.1, 0.5, 2.0, 9.0], [0.3, 1.5, 2.5, 9.0]]), torch.tensor([[1.0, 1.0, 1.0, 0.0]] * 2)),
+        (torch.tensor([[0.2, 3.0, 0.4, 4.0]]), torch.tensor([[1.0, 1.0, 1.0, 1.0]])),
+    ]
+    by_hand = [[[0.0, 0.0, 1.0, 0.0], [0.0, 1.0, 1.0, 0.0]], [[0.0, 1.0, 0.0, 1.0]]]  # top 3 of 6, top 2 of 4
+    kept_values = [2.0, 1.5, 2.5, 3.0, 4.0]
+    all_values = [0.1, 0.5, 2.0, 0.3, 1.5, 2.5, 0.2, 3.0, 0.4, 4.0]
+    kept_mean, all_mean = sum(kept_values) / 5, sum(all_values) / 10  # 2.6 and 1.45
+    target = 2.0  # between them: the kept tokens' entropy is above it, every valid token's below
+    bonus = EntropyBonus(0.1, adaptive=True, target=target, delta=0.02)
+    logged = []
+    for (entropy, mask), keep in zip(micro, by_hand):
+        on = entropy_mask(entropy, mask, 0.5)  # as the loop builds m'
+        assert on.tolist() == keep
+        bonus.term(entropy, on, 2)
+        zero = torch.zeros_like(entropy)
+        logged.append(policy_loss(zero, zero, torch.zeros(len(zero)), mask, entropy=entropy)[1])
+    bonus.end_step(1, None)
+    assert bonus.last_entropy == pytest.approx(kept_mean, rel=1e-6)
+    logged_mean = sum(m["entropy"] * m["tokens"] for m in logged) / sum(m["tokens"] for m in logged)
+    assert logged_mean.item() == pytest.approx(all_mean, rel=1e-6)  # the logged `entropy`: every valid token
+    assert abs(bonus.last_entropy - all_mean) > 1.0
+    assert bonus.coef == pytest.approx(0.1 - 0.02)  # kept mean > target: down (all tokens' would go up)

@@ -162,6 +162,35 @@ def test_gspo_token_has_sequence_value_and_per_token_gradient():
     assert_close(jac_seq, torch.full((3, 3), 2.0 * s / 3, dtype=torch.float64))
 
 
+def test_gspo_clip_fractions_count_tokens_not_sequences():
+    """docs/losses.md: with importance_sampling_level="sequence" the clip fractions are token means (a
+    clipped sequence counts once per valid token; TRL's count sequences, empty ones included).
+    Reference: each row's ratio exp(mean valid log-ratio) and its length, counted by hand."""
+    L = math.log
+    log_r = torch.tensor([[0.1, 0.1, 0.1, 4 * L(1.5) - 0.3],   # 4 tokens, r = 1.5 with A > 0: high
+                          [L(0.5), L(0.4), L(0.625), 5.0],     # 3 tokens, r = 0.5 with A < 0: low
+                          [L(1.5), 5.0, 5.0, 5.0],             # 1 token, r = 1.5 with A < 0: not clipped
+                          [0.3, -0.3, 0.0, 5.0],               # 3 tokens, r = 1: not clipped
+                          [5.0, 5.0, 5.0, 5.0]], dtype=torch.float64)  # empty: the 5s are padding
+    lengths = [4, 3, 1, 3, 0]
+    mask = torch.tensor([[1.0] * n + [0.0] * (4 - n) for n in lengths], dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0], dtype=torch.float64)
+    _, metrics = policy_loss(log_r, torch.zeros_like(log_r), adv, mask, importance_sampling_level="sequence")
+    rows = log_r.tolist()
+    ratio = [math.exp(sum(rows[i][:n]) / n) if n else 1.0 for i, n in enumerate(lengths)]
+    high = [r > 1.2 and a > 0 for r, a in zip(ratio, adv.tolist())]
+    low = [r < 0.8 and a < 0 for r, a in zip(ratio, adv.tolist())]
+    assert high == [True, False, False, False, False] and low == [False, True, False, False, False]
+    assert all(0.8 < math.exp(x) < 1.2 for x in rows[0][:3])  # row 0's tokens alone would not clip
+    by_tokens = {"clip_ratio/high": sum(n for n, c in zip(lengths, high) if c) / sum(lengths),
+                 "clip_ratio/low": sum(n for n, c in zip(lengths, low) if c) / sum(lengths),
+                 "clip_ratio/region": sum(n for n, h, lo in zip(lengths, high, low) if h or lo) / sum(lengths)}
+    assert list(by_tokens.values()) == pytest.approx([4 / 11, 3 / 11, 7 / 11])
+    assert {k: metrics[k].item() for k in by_tokens} == pytest.approx(by_tokens, rel=1e-6)  # fp32 fractions
+    by_sequences = {"clip_ratio/high": 1 / 5, "clip_ratio/low": 1 / 5, "clip_ratio/region": 2 / 5}  # TRL's
+    assert all(abs(by_tokens[k] - by_sequences[k]) > 0.05 for k in by_tokens)
+
+
 # CISPO and SAPO -------------------------------------------------------------------------
 
 def test_cispo_weights_logp_by_the_capped_detached_ratio():
