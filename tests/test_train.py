@@ -642,15 +642,32 @@ def test_a_run_started_from_python_resumes_from_the_command_line_with_its_own_co
     assert resumed.loss.reward_funcs == cfg.loss.reward_funcs and [r["step"] for r in rows(run)] == [1, 2]
 
 
+MAX_STEPS_SEEN = []
+
+
+def first_digit_seeing_max_steps(prompts, completions, trainer_state, **columns):
+    """first_digit, recording the run length reward functions are told (TRL's trainer_state)."""
+    MAX_STEPS_SEEN.append((trainer_state.global_step, trainer_state.max_steps))
+    return first_digit(prompts, completions)
+
+
 def test_resume_with_a_larger_max_steps_follows_the_new_schedule(tmp_path):
     # A finished 2-step cosine run ends at rate 0; extended to 4 steps, steps 3 and 4 run at the
     # rates of a 4-step run, not at the old schedule's final 0 (it was restored with the optimizer).
+    # Reward functions see the new length; eval.jsonl keeps the stopped run's final evaluation.
     a, b = tmp_path / "a", tmp_path / "b"
     train(config(a, "train.max_steps=4", "train.lr_scheduler_type=cosine"))
-    train(config(b, "train.max_steps=2", "train.lr_scheduler_type=cosine"))
-    train(config(b, "train.max_steps=4", "train.lr_scheduler_type=cosine"), resume=b)
+    funcs = f"loss.reward_funcs=['{__name__}:first_digit_seeing_max_steps']"
+    MAX_STEPS_SEEN.clear()
+    train(config(b, "train.max_steps=2", "train.lr_scheduler_type=cosine", funcs))
+    train(config(b, "train.max_steps=4", "train.lr_scheduler_type=cosine", funcs), resume=b)
     assert [r["lr"] for r in rows(b)][2:] == [r["lr"] for r in rows(a)][2:]
     assert rows(a)[2]["lr"] > 0
+    # (global_step, max_steps) at each call: the evaluation before training, rounds 1-2, the final
+    # evaluation of the 2-step run; then the resumed run's rounds 3-4 and its final evaluation
+    assert MAX_STEPS_SEEN == [(0, 2), (0, 2), (1, 2), (2, 2), (2, 4), (3, 4), (4, 4)]
+    evals = [json.loads(ln)["step"] for ln in (b / "eval.jsonl").read_text().splitlines()]
+    assert evals == [0, 2, 4]  # before, the stopped run's end (step 2), the resumed run's end
 
 
 def test_resume_keeps_counting_nonfinite_steps_in_a_row(tmp_path, monkeypatch):
