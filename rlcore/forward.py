@@ -61,8 +61,8 @@ def completion_hidden(model: Transformer, ids, attn, Lp: int):
     The hidden state at t predicts token t+1, so positions Lp-1 .. Lp+Tc-2 predict the
     completion. When rows repeat a prompt, each distinct prompt runs once (a `PrefixKV` pass)
     and the completions attend to its keys/values: the same numbers as the full `[B, Lp + Tc]`
-    pass (gradients into the prompt are summed over its rows) with P/B of the prompt's FLOPs
-    instead of all of them; for 16 rows of 64 + 128 tokens from 2 prompts, 29% fewer in the body.
+    pass (gradients into the prompt are summed over its rows) with U/B of the prompt's FLOPs
+    (U distinct prompts) instead of all of them; for 16 rows of 64 + 128 tokens from 2 prompts, 29% fewer in the body.
     """
     distinct, rows = torch.unique(_prompt_keys(ids, attn, Lp), dim=0, return_inverse=True)
     if len(distinct) == len(ids):  # nothing to share
@@ -74,8 +74,8 @@ def completion_hidden(model: Transformer, ids, attn, Lp: int):
 
 
 def _prompt_pass(model: Transformer, distinct):
-    """Run the distinct prompts `[P, Lp]` (left-padded, -1 on padding) once: the hidden state
-    `[P, H]` of each one's last position and every layer's keys/values (a `PrefixKV`)."""
+    """Run the U distinct prompts `[U, Lp]` (left-padded, -1 on padding) once: the hidden state
+    `[U, H]` of each one's last position and every layer's keys/values (a `PrefixKV`)."""
     prefix = PrefixKV()
     p_mask, p_pos = padded_causal_mask((distinct >= 0).long())
     return model(distinct.clamp(min=0), p_pos, p_mask, prefix=prefix)[:, -1], prefix
@@ -104,12 +104,13 @@ class SharedPrompts:
     over their backward passes; `backward()`, called once after the last one, sends the sum on
     through the prompt pass. The parameters' gradients are then those of running every row in
     full: gradients add, and the prompt pass's weights are the same in every micro-batch
-    (the optimizer steps only after the group).
+    (the optimizer steps only after the last of them).
 
-        shared = SharedPrompts.build(model, ids[group], attn[group], Lp)  # None: nothing repeats
-        for r in micro_batches_of_group:
+        shared = SharedPrompts.build(model, ids[step_rows], attn[step_rows], Lp)  # None: nothing repeats
+        for r in the_steps_micro_batches:
             completion_logprobs(model, ids[r], attn[r], Lp, cids[r], shared=shared) ... backward()
-        shared.backward()
+        if shared is not None:
+            shared.backward()
     """
 
     def __init__(self, model: Transformer, distinct: torch.Tensor, Lp: int):

@@ -5,17 +5,22 @@
         rewards      reward functions -> R[N, F]      (rlcore.rewards, losses.score_completions)
         advantages   group-normalised, over the whole round            (rlcore.losses.advantages)
         old / ref    log-probs under no_grad, only when needed          (SPEC 1)
-        for epoch in range(mu):                                         (mu = num_iterations)
+        for replay in range(mu):                                        (mu = num_iterations)
             for each optimizer step, GA of the S micro-batches:         (S / GA steps)
+                its distinct prompts, forward once                      (forward.SharedPrompts)
                 for each of its micro-batches:
                     per-token loss -> aggregate -> backward             (rlcore.losses)
-                grad-norm clip, optimizer step, metrics
+                the prompts' backward, grad-norm clip, optimizer step, metrics
         eval, checkpoint
+
+The loop's comments `# 1.` to `# 6.` mark these steps (rollout; rewards and advantages; old / ref;
+the replay; the loss; the optimizer step's metrics), and eval and checkpoint end each round.
 
 The loop's own flags (off-policy or not, beta, TIS, the entropy bonus, a synced reference) are
 `if`s in `train()`; the loss's options are keywords of `rlcore.losses.policy_loss`, which
 `policy_loss_options` fills from the config. The helpers above `train()` set the run up (device,
-optimizer, schedule, models, the resume check, evaluation); none of them decides a step.
+optimizer, schedule, models, the resume check) or do one of its passes (the round's prompts,
+evaluation, the old / ref log-probs); none of them decides a step.
 """
 
 from __future__ import annotations
@@ -127,7 +132,8 @@ def lr_lambda(cfg: Config, total_steps: int):
 
 
 def policy_loss_options(lc) -> dict:
-    """policy_loss's fixed keywords from the config's loss section (SPEC 4); the tensors change
+    """policy_loss's fixed keywords from the config's loss section (SPEC 3-4; the VESPO and off-policy-mask
+    ones go beyond SPEC); the tensors change
     per micro-batch. A new keyword of policy_loss gets its config field here (a test holds the
     two to each other)."""
     return dict(
@@ -433,9 +439,10 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
     def score_held_out(prompts, completions, values, completion_ids, logged) -> torch.Tensor:
         """The reward functions on held-out completions, as on a round's (`evaluate` calls it)."""
         state = RewardState(step, max_steps, data_pos / len(train_set), tc.num_train_epochs)
-        extras = reward_extras(completion_ids, state, log_metric=lambda name, value: logged[name].append(float(value)),
+        reward_kwargs = reward_extras(completion_ids, state,
+                                      log_metric=lambda name, value: logged[name].append(float(value)),
                                log_extra=lambda column, values: None)  # completions.jsonl holds the rounds' only
-        return score_completions(reward_funcs, prompts, completions, values, lc.reward_on_error, extras)
+        return score_completions(reward_funcs, prompts, completions, values, lc.reward_on_error, reward_kwargs)
 
     held_out_eval = functools.partial(  # the held-out evaluation: before training, every eval_steps, after
         evaluate, model, tok, eval_set, accuracy_fn, tc.eval_max_completion_length, rank=rank, world=world,
@@ -482,13 +489,13 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                       f"none of the {len(eval_set)} held-out prompts has an answer to check "
                       f"(data.answer_column = {answer_column!r})"), flush=True)
 
-    def next_round() -> dict:
+    def resume_point() -> dict:
         """Where the next round starts, besides the weights and the optimizer: what a checkpoint keeps."""
         return {"data_pos": data_pos, "sampler": sampler.get_state(), "shuffler": shuffler.get_state(),
                 "torch": torch.get_rng_state()}
 
     def checkpoint(at: dict) -> None:
-        """Save the run as it is at `step`, to continue from `at` (next_round's). Every rank calls it."""
+        """Save the run as it is at `step`, to continue from `at` (resume_point's). Every rank calls it."""
         distributed.check_replicas_agree(model, world)
         samplers = distributed.gather_objects(at["sampler"], world)
         if main:
@@ -501,7 +508,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
 
     saved = step  # the step of the newest checkpoint (0: none yet)
     while step < max_steps:
-        round_start = next_round()  # checkpointed if scoring fails (step 2), before the round changes any weight
+        round_start = resume_point()  # checkpointed if scoring fails (step 2), before the round changes any weight
         # 1. Rollout: G samples per prompt, token ids in and out. Every rank draws the same
         # round of prompts and samples the rows it owns (a group may straddle two ranks).
         t0 = clock(device)
@@ -513,7 +520,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         rows = [ex for ex in batch for _ in range(G)][mine]
         model.eval()  # rlcore's models have no dropout: eval() and train() below change no arithmetic
         rollout_progress = Progress(f"step {step + 1} rollout", enabled=main)  # a real model on CPU: minutes
-        rank_rows = f"{len(rows)} completions" + (" on rank 0" if world > 1 else "")
+        rows_label = f"{len(rows)} completions" + (" on rank 0" if world > 1 else "")
         # num_generations=1: `rows` already repeats each prompt G times (a group may straddle two ranks)
         ro = generate(model, [ex["prompt_ids"] for ex in rows], num_generations=1,
                       max_new_tokens=rc.max_completion_length,
@@ -522,21 +529,21 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                       repetition_penalty=rc.repetition_penalty, stop_sequences=stop_sequences, generator=sampler,
                       dtype=torch.bfloat16 if amp else None,
                       progress=lambda tokens, finished: rollout_progress.report(
-                          f"{tokens}/{rc.max_completion_length} tokens, {finished}/{rank_rows} done"))
+                          f"{tokens}/{rc.max_completion_length} tokens, {finished}/{rows_label} done"))
         t_rollout = clock(device) - t0
 
         # 2. Rewards and advantages, over the whole round (all ranks) before it is cut up.
         t0 = clock(device)
         completion_ids = completion_token_ids(ro)
         prompts, completions, column_values = reward_inputs(rows, decode_completions(tok, completion_ids), columns)
-        logged, extra = defaultdict(list), {}  # what reward functions report (log_metric, log_extra)
+        logged, extra_columns = defaultdict(list), {}  # what reward functions report (log_metric, log_extra)
         reward_state = RewardState(step, max_steps, (data_pos - N // G) / len(train_set), tc.num_train_epochs)
-        trl_kwargs = reward_extras(completion_ids, reward_state,
-                                   log_metric=lambda name, value: logged[name].append(float(value)),
-                                   log_extra=lambda column, values: extra.setdefault(column, []).extend(values))
+        reward_kwargs = reward_extras(
+            completion_ids, reward_state, log_metric=lambda name, value: logged[name].append(float(value)),
+            log_extra=lambda column, values: extra_columns.setdefault(column, []).extend(values))
         R = failure = None
         try:  # a failure on one rank's rows stops every rank with it (else the others wait at the next all-gather)
-            R = score_completions(reward_funcs, prompts, completions, column_values, lc.reward_on_error, trl_kwargs,
+            R = score_completions(reward_funcs, prompts, completions, column_values, lc.reward_on_error, reward_kwargs,
                                   first_row=mine.start)
         except (ValueError, TypeError, RuntimeError) as e:  # RewardFunctionError is a RuntimeError
             failure = e
@@ -547,7 +554,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                 checkpoint(round_start)
             raise
         logged = distributed.concat_over_ranks(logged, world)  # every rank's log_metric values
-        R = distributed.gather_rows(R.to(device), world)
+        R = distributed.gather_rows(R.to(device), world)  # R (and acc below) from here: every rank's rows
         if main and R.isnan().all():
             warnings.warn(f"no reward function scored any completion of round {round_no} (all returned None or "
                           f"NaN), so every advantage is 0 and its steps learn nothing; check loss.reward_funcs and "
@@ -560,10 +567,12 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         acc = distributed.gather_rows(torch.tensor([math.nan if a is None else float(a) for a in acc], device=device),
                                       world)  # NaN: a completion the task cannot score (no answer), counted as 0
 
-        # The round as training tensors: prompt (left-padded) + completion (right-padded).
+        # The round as training tensors: prompt (left-padded) + completion (right-padded): ids and attn
+        # [n, Lp + Tc]; cids, mask and samp [n, Tc]; adv, lengths and truncated [n].
         ids, attn, cids, mask, Lp = pack(ro.prompt_ids, completion_ids, tok.pad_token_id)
         ids, attn, cids, mask = ids.to(device), attn.to(device), cids.to(device), mask.to(device)
-        # the engine's log-probs before top-k/top-p/min-p filtering, when it kept them: the policy's own (SPEC 4)
+        # the engine's log-probs, before the repetition penalty and top-k/top-p/min-p when it kept
+        # them: the policy's own (SPEC 4)
         samp = ro.full_logprobs if ro.full_logprobs is not None else ro.sampling_logprobs
         samp = samp[:, :cids.shape[1]].to(device)
         truncated = ro.truncated.to(device)
@@ -583,7 +592,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                        "completion/truncated_frac": every_truncated.mean().item(),
                        "tokens_per_s/rollout": every_length.sum().item() / max(t_rollout, 1e-9)}
         if tc.log_completions:  # every rank's texts and log_extra columns; rank 0 writes them
-            texts = distributed.gather_objects((prompts, completions, extra), world)
+            texts = distributed.gather_objects((prompts, completions, extra_columns), world)
             if main:
                 log_completions(run, step + 1, texts, R, every_adv, every_length, lc.reward_funcs,
                                 tc.num_completions_to_print)
@@ -616,7 +625,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         perm = torch.randperm(n, generator=shuffler, device=device)
         micro = [perm[k * b:(k + 1) * b] for k in range(S)]
         update_start, step_metrics = clock(device), []
-        for epoch in range(mu):
+        for replay in range(mu):  # the metrics' "epoch": which of the mu passes over the round
             for first in range(0, S, GA):  # an optimizer step: GA micro-batches, first .. first + GA - 1
                 step_micro = micro[first:first + GA]
                 step_rows = torch.cat(step_micro)
@@ -687,7 +696,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                 # 6. Metrics (SPEC 6): the round's statistics + this step's diagnostics, all ranks. The
                 # round's phase times go on its first step (0 on the others), so times sum over steps.
                 t_step = clock(device) - update_start
-                met = {"step": step, "epoch": epoch, **round_stats, **reduce_metrics(step_metrics, world, device),
+                met = {"step": step, "epoch": replay, **round_stats, **reduce_metrics(step_metrics, world, device),
                        **(mismatch or {}), "grad_norm": grad_norm.item(), "lr": lr, "skipped": not finite,
                        "nonfinite_total": bad_total, **round_times, "time/update": t_step,
                        "tokens_per_s/train": step_completion_tokens / max(t_step, 1e-9)}
@@ -723,17 +732,18 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
 
         # Eval and checkpoint at round boundaries: a checkpoint holds no half round, except the
         # last one when max_steps ends the run inside a round (the note below says so).
+        # (`step % k < steps_per_round`: a multiple of k fell inside the round just trained)
         if tc.eval_steps and step % tc.eval_steps < steps_per_round and step < max_steps:
             try:
                 held_out = held_out_eval()
             except (RewardFunctionError, TypeError, ValueError):  # a reward function's (every rank raises it)
                 if step > saved:
-                    checkpoint(next_round())
+                    checkpoint(resume_point())
                 raise
             if main:
                 record_eval(run, step, held_out)
         if (tc.save_steps and step % tc.save_steps < steps_per_round) or step >= max_steps:
-            checkpoint(next_round())
+            checkpoint(resume_point())
             saved = step
 
     if main and step < round_end:
