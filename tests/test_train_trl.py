@@ -4,8 +4,8 @@ and the same completions give the same gradient norms, learning rates and traine
 test_losses_trl.py checks the loss on given log-probs. This checks everything around it, as two
 independent implementations: rlcore's model against transformers', and rlcore's loop (micro-batches,
 gradient accumulation, mu-epoch replay, old and reference log-probs, the temperature, AdamW and its
-weight-decay groups, the schedule with warmup, gradient clipping) against TRL's with transformers'
-Trainer. Sampling is the one thing replaced, on both sides: each round's completions are fixed
+weight-decay groups, the linear, cosine and constant schedules, gradient clipping) against TRL's with
+transformers' Trainer, on Qwen2, tied Llama and tied Qwen3 models. Sampling is the one thing replaced, on both sides: each round's completions are fixed
 token ids, handed to rlcore's loop in place of its engine and to TRL in place of its `_generate`,
 with the prompts' token ids rlcore's round drew. TRL shuffles a round's rows with the global RNG and
 rlcore with its own generator seeded by `seed`; TRL is given the permutations rlcore draws, so both
