@@ -43,8 +43,8 @@ import torch
 from rlcore.checkpoint import (RUN_CONFIG_HEADER, CheckpointError, check_model_dir, check_new_run_dir, checkpoint_step,
                                latest_checkpoint, load_model, load_resumed_model, load_trainer_state, resolve_dtype,
                                resume_command, save_checkpoint)
-from rlcore.config import (EMBEDDED_MODEL_PATHS, Config, TrainArgs, changed_data, dump_config, embedded_model_name,
-                           recorded_model, with_absolute_paths)
+from rlcore.config import (EMBEDDED_MODEL_PATHS, Config, LossArgs, TrainArgs, changed_data, dump_config,
+                           embedded_model_name, recorded_model, with_absolute_paths)
 from rlcore import RlcoreWarning, distributed
 from rlcore.data import encode_prompts, load_examples
 from rlcore.embedded import build_embedded_model, cache_dir_name, why_a_model_of_its_own
@@ -54,10 +54,10 @@ from rlcore.losses.aggregate import aggregate_loss
 from rlcore.losses.entropy import EntropyBonus
 from rlcore.losses.metrics import rollout_mismatch
 from rlcore.losses.policy import entropy_mask, mask_truncated, policy_loss, tis_weights
-from rlcore.model import mix_into, weight_layout_difference
+from rlcore.model import Transformer, mix_into, weight_layout_difference
 from rlcore.rewards import (REWARD_EXTRAS, RewardFunctionError, RewardState, dataset_columns, get_reward_funcs,
                             reward_extras, reward_inputs)
-from rlcore.rollout import generate
+from rlcore.rollout import Rollout, generate
 from rlcore.runlog import Progress, drop_rows_after, log_completions, log_line, record_eval, reduce_metrics
 from rlcore.tasks import TASK_REWARD, unique_problems
 from rlcore.tokenizer import Tokenizer, check_vocab_fits
@@ -108,7 +108,7 @@ def adamw(model: torch.nn.Module, tc: TrainArgs) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=tc.learning_rate, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_epsilon)
 
 
-def lr_lambda(cfg: Config, total_steps: int):
+def lr_lambda(cfg: Config, total_steps: int) -> Callable[[int], float]:
     """Linear warmup ((step+1)/(warmup+1): no step is wasted at rate 0, where transformers'
     step/warmup spends step 0 at rate 0), then constant, or linear or cosine decay to zero (or
     to min_lr: cosine_with_min_lr), after the warmup transformers' formulas and arguments."""
@@ -131,7 +131,7 @@ def lr_lambda(cfg: Config, total_steps: int):
     return f
 
 
-def policy_loss_options(lc) -> dict:
+def policy_loss_options(lc: LossArgs) -> dict:
     """policy_loss's fixed keywords from the config's loss section (SPEC 3-4; the VESPO and off-policy-mask
     ones go beyond SPEC); the tensors change
     per micro-batch. A new keyword of policy_loss gets its config field here (a test holds the
@@ -231,6 +231,16 @@ def next_prompts(examples: list[dict], pos: int, n: int, seed: int) -> list[dict
     return out
 
 
+def completion_token_ids(ro: Rollout) -> list[list[int]]:
+    """Each completion's token ids, without its padding."""
+    return [ids[:n].tolist() for ids, n in zip(ro.completion_ids, ro.lengths.tolist())]
+
+
+def decode_completions(tok: Tokenizer, completion_ids: list[list[int]]) -> list[str]:
+    """Text of each completion, for the reward functions only (training uses the token ids)."""
+    return [tok.decode(ids, skip_special_tokens=True) for ids in completion_ids]
+
+
 @dataclass
 class EvalRewards:
     """The reward functions, for `evaluate`: their metric names (loss.reward_funcs), weights
@@ -242,7 +252,7 @@ class EvalRewards:
 
 
 @torch.no_grad()
-def evaluate(model, tok: Tokenizer, examples: list[dict], accuracy_fn, max_new_tokens: int,
+def evaluate(model: Transformer, tok: Tokenizer, examples: list[dict], accuracy_fn: Callable, max_new_tokens: int,
              batch_size: int = 128, rank: int = 0, world: int = 1, device: torch.device | None = None,
              rewards: EvalRewards | None = None, stop_sequences: list[list[int]] = ()) -> dict:
     """Held-out metrics of greedy completions: `eval/accuracy`, the fraction of prompts whose
@@ -301,26 +311,17 @@ def evaluate(model, tok: Tokenizer, examples: list[dict], accuracy_fn, max_new_t
 
 
 @torch.no_grad()
-def logprobs_in_batches(model, ids, attn, Lp: int, cids, b: int, temperature: float, amp: bool,
-                        progress: Progress) -> torch.Tensor:
+def logprobs_in_batches(model: Transformer, ids: torch.Tensor, attn: torch.Tensor, Lp: int, cids: torch.Tensor, b: int,
+                        temperature: float, amp: bool, progress: Progress) -> torch.Tensor:
     """The completions' log-probs `[n, Tc]` under `model` (the old and ref passes), b rows at a
-    time, without gradients; `progress` hears how many rows are done."""
+    time, without gradients (ids, attn `[n, Lp + Tc]` and cids `[n, Tc]` as `pack` builds them);
+    `progress` hears how many rows are done."""
     parts = []
     for i in range(0, len(ids), b):
         parts.append(completion_logprobs(model, ids[i:i + b], attn[i:i + b], Lp, cids[i:i + b], temperature, amp)[0])
         if i + b < len(ids):
             progress.report(f"{i + b}/{len(ids)} completions")
     return torch.cat(parts)
-
-
-def completion_token_ids(ro) -> list[list[int]]:
-    """Each completion's token ids, without its padding."""
-    return [ids[:n].tolist() for ids, n in zip(ro.completion_ids, ro.lengths.tolist())]
-
-
-def decode_completions(tok: Tokenizer, completion_ids: list[list[int]]) -> list[str]:
-    """Text of each completion, for the reward functions only (training uses the token ids)."""
-    return [tok.decode(ids, skip_special_tokens=True) for ids in completion_ids]
 
 
 # ----------------------------------------------------------------------------- the loop
