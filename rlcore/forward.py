@@ -62,7 +62,8 @@ def completion_hidden(model: Transformer, ids, attn, Lp: int):
     completion. When rows repeat a prompt, each distinct prompt runs once (a `PrefixKV` pass)
     and the completions attend to its keys/values: the same numbers as the full `[B, Lp + Tc]`
     pass (gradients into the prompt are summed over its rows) with U/B of the prompt's FLOPs
-    (U distinct prompts) instead of all of them; for 16 rows of 64 + 128 tokens from 2 prompts, 29% fewer in the body.
+    (U distinct prompts) instead of all of them; for 16 rows of 64 + 128 tokens from 2 prompts,
+    29% fewer in the body.
     """
     distinct, rows = torch.unique(_prompt_keys(ids, attn, Lp), dim=0, return_inverse=True)
     if len(distinct) == len(ids):  # nothing to share

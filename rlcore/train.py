@@ -132,10 +132,9 @@ def lr_lambda(cfg: Config, total_steps: int) -> Callable[[int], float]:
 
 
 def policy_loss_options(lc: LossArgs) -> dict:
-    """policy_loss's fixed keywords from the config's loss section (SPEC 3-4; the VESPO and off-policy-mask
-    ones go beyond SPEC); the tensors change
-    per micro-batch. A new keyword of policy_loss gets its config field here (a test holds the
-    two to each other)."""
+    """policy_loss's fixed keywords from the config's loss section (SPEC 3-4; the VESPO and
+    off-policy-mask ones go beyond SPEC); the tensors change per micro-batch. A new keyword of
+    policy_loss gets its config field here (a test holds the two to each other)."""
     return dict(
         loss=lc.policy_loss, importance_sampling_level=lc.importance_sampling_level, epsilon=lc.epsilon,
         epsilon_high=lc.epsilon_high, delta=lc.delta, beta=lc.beta, use_bias_correction_kl=lc.use_bias_correction_kl,
@@ -262,9 +261,9 @@ def evaluate(model: Transformer, tok: Tokenizer, examples: list[dict], accuracy_
     completions too, as TRL's evaluation does: `eval/reward/mean` (the weighted sum, over the
     prompts some function scored), `eval/reward/<name>/mean` per function, and `eval/<name>` per
     log_metric name, each None when nothing was scored. A completion ends at EOS or at one of
-    `stop_sequences` (token ids: the rollout's, rollout.stop). Each of the `world` ranks answers every
-    world-th prompt; every rank must call it, and a reward function's failure on one rank stops
-    every rank. A long evaluation (a real model on CPU) says how many prompts rank 0 has done."""
+    `stop_sequences` (token ids: the rollout's, rollout.stop). Each of the `world` ranks answers
+    every world-th prompt; every rank must call it, and a reward function's failure on one rank
+    stops every rank. A long evaluation (a real model on CPU) says how many prompts rank 0 has done."""
     correct, scored, columns = 0.0, 0, dataset_columns(examples)
     mine, progress = examples[rank::world], Progress("held-out eval", enabled=rank == 0)
     share = f" (rank 0's share of {len(examples)})" if world > 1 else ""
@@ -440,9 +439,9 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
     def score_held_out(prompts, completions, values, completion_ids, logged) -> torch.Tensor:
         """The reward functions on held-out completions, as on a round's (`evaluate` calls it)."""
         state = RewardState(step, max_steps, data_pos / len(train_set), tc.num_train_epochs)
-        reward_kwargs = reward_extras(completion_ids, state,
-                                      log_metric=lambda name, value: logged[name].append(float(value)),
-                               log_extra=lambda column, values: None)  # completions.jsonl holds the rounds' only
+        reward_kwargs = reward_extras(  # completions.jsonl holds the rounds' log_extra columns only
+            completion_ids, state, log_metric=lambda name, value: logged[name].append(float(value)),
+            log_extra=lambda column, values: None)
         return score_completions(reward_funcs, prompts, completions, values, lc.reward_on_error, reward_kwargs)
 
     held_out_eval = functools.partial(  # the held-out evaluation: before training, every eval_steps, after

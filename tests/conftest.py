@@ -81,6 +81,11 @@ def qwen_dir(tmp_path):
     return path
 
 
+def toml_value(v) -> str:
+    """A Python value as a TOML / --set value (TRL keys given to rlcore as a TRL user writes them)."""
+    return str(v).lower() if isinstance(v, bool) else repr(v)
+
+
 def fixed_completions(round_no: int, n: int, eos: int, max_len: int) -> list[list[int]]:
     """Round `round_no`'s first n completions, in place of sampling: ordinary token ids (10-119),
     most ended by EOS, some cut at max_len (truncated). Row i is the same whatever n is."""

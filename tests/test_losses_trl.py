@@ -23,6 +23,7 @@ import os
 import pytest
 import torch
 
+from conftest import toml_value
 from rlcore.config import load_config
 from rlcore.losses import EntropyBonus, aggregate_loss, compute_advantages, entropy_mask, policy_loss, score_completions
 from rlcore.rewards import get_reward_funcs
@@ -91,10 +92,6 @@ def trl_trainer(checkpoint, options: dict, reward_funcs=None):
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = GA  # transformers sets it in its training loop
     return trainer
-
-
-def toml_value(v) -> str:
-    return str(v).lower() if isinstance(v, bool) else repr(v)
 
 
 def rlcore_config(options: dict, tmp_path):

@@ -4,12 +4,13 @@ and the same completions give the same gradient norms, learning rates and traine
 test_losses_trl.py checks the loss on given log-probs. This checks everything around it, as two
 independent implementations: rlcore's model against transformers', and rlcore's loop (micro-batches,
 gradient accumulation, mu-epoch replay, old and reference log-probs, the temperature, AdamW and its
-weight-decay groups, the linear, cosine and constant schedules, gradient clipping) against TRL's with
-transformers' Trainer, on Qwen2, tied Llama and tied Qwen3 models. Sampling is the one thing replaced, on both sides: each round's completions are fixed
-token ids, handed to rlcore's loop in place of its engine and to TRL in place of its `_generate`,
-with the prompts' token ids rlcore's round drew. TRL shuffles a round's rows with the global RNG and
-rlcore with its own generator seeded by `seed`; TRL is given the permutations rlcore draws, so both
-cut the round into the same micro-batches.
+weight-decay groups, the linear, cosine and constant schedules, gradient clipping) against TRL's
+with transformers' Trainer, on Qwen2, tied Llama and tied Qwen3 models. Sampling is the one thing
+replaced, on both sides: each round's completions are fixed token ids, handed to rlcore's loop in
+place of its engine and to TRL in place of its `_generate`, with the prompts' token ids rlcore's
+round drew. TRL shuffles a round's rows with the global RNG and rlcore with its own generator seeded
+by `seed`; TRL is given the permutations rlcore draws, so both cut the round into the same
+micro-batches.
 
 Where rlcore differs from TRL on purpose (README, defaults that differ from TRL's), the cases step
 around it: each names lr_scheduler_type (rlcore's default is constant, TRL's linear), none warms up
@@ -23,7 +24,7 @@ import json
 import pytest
 import torch
 
-from conftest import fixed_completions, fixed_rollout, make_hf_model, token_reward
+from conftest import fixed_completions, fixed_rollout, make_hf_model, token_reward, toml_value
 from rlcore.config import load_config
 from test_train_hf import write_gsm8k
 
@@ -52,10 +53,6 @@ CASES = {
         loss_type="dr_grpo", importance_sampling_level="sequence", epsilon=0.2, epsilon_high=0.28,
         num_iterations=3, gradient_accumulation_steps=1, top_entropy_quantile=0.5, lr_scheduler_type="linear"),
 }
-
-
-def toml_value(v) -> str:
-    return str(v).lower() if isinstance(v, bool) else repr(v)
 
 
 def run_rlcore(options: dict, model_dir, data, tmp_path, monkeypatch):
