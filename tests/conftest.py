@@ -73,12 +73,16 @@ def qwen_dir(tmp_path):
     from test_tokenizer import qwen2_pipeline_checkpoint
 
     path = qwen2_pipeline_checkpoint(tmp_path / "qwen")
-    tok = Tokenizer.from_dir(path)
-    model = make_hf_model("qwen2", vocab_size=512, max_position_embeddings=512)
+    save_model_for_tokenizer(path, "qwen2", Tokenizer.from_dir(path))
+    return path
+
+
+def save_model_for_tokenizer(path, family: str, tok) -> None:
+    """A tiny random `family` model (FAMILIES) over `tok`'s 512-id vocabulary and special tokens, into `path`."""
+    model = make_hf_model(family, vocab_size=512, max_position_embeddings=512)
     model.config.eos_token_id = tok.eos_token_id
     model.config.pad_token_id = tok.pad_token_id
     model.save_pretrained(path)
-    return path
 
 
 def toml_value(v) -> str:

@@ -3,8 +3,8 @@ name the key, the value and the fix."""
 
 import dataclasses
 import math
-import sys
 import re
+import sys
 import typing
 import warnings
 from pathlib import Path

@@ -24,7 +24,7 @@ import json
 import pytest
 import torch
 
-from conftest import fixed_completions, fixed_rollout, make_hf_model, token_reward, toml_value
+from conftest import fixed_completions, fixed_rollout, save_model_for_tokenizer, token_reward, toml_value
 from rlcore.config import load_config
 from test_train_hf import write_gsm8k
 
@@ -123,10 +123,7 @@ def with_family(qwen_dir, family: str):
     from rlcore.tokenizer import Tokenizer
 
     if family != "qwen2":
-        tok = Tokenizer.from_dir(qwen_dir)
-        model = make_hf_model(family, vocab_size=512, max_position_embeddings=512)
-        model.config.eos_token_id, model.config.pad_token_id = tok.eos_token_id, tok.pad_token_id
-        model.save_pretrained(qwen_dir)
+        save_model_for_tokenizer(qwen_dir, family, Tokenizer.from_dir(qwen_dir))
     return qwen_dir
 
 
