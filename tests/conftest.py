@@ -107,6 +107,21 @@ def token_reward(prompts, completions, completion_ids, **kwargs):
     return [float(sum(t % 3 == 0 for t in ids)) - 0.3 * len(ids) for ids in completion_ids]
 
 
+def clip_bound_margin(log_ratio: torch.Tensor, mask: torch.Tensor, epsilon: float = 0.2, epsilon_high: float | None = None,
+                      delta: float | None = None, sequence: bool = False) -> float:
+    """The smallest distance, relative, from an importance ratio exp(log_ratio) [B, T] (per token, or per
+    sequence: the masked mean log-ratio) to a bound the loss clips it at; inf without valid tokens. Two
+    implementations agree on which side a ratio lies only while this is far above their last-bit differences."""
+    log_ratio, mask = log_ratio.detach().double(), mask.bool()
+    if sequence:
+        log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        mask = mask.any(-1)
+    bounds = torch.tensor([1 - epsilon, 1 + (epsilon if epsilon_high is None else epsilon_high)] +
+                          ([delta] if delta is not None else []), dtype=torch.float64)
+    ratio = log_ratio.exp()[mask]
+    return ((ratio[:, None] - bounds).abs() / bounds).min().item() if ratio.numel() else float("inf")
+
+
 def fixed_rollout(prompts: list[list[int]], completions: list[list[int]], eos: int, pad: int):
     """The Rollout the engine would return for these prompts and completions (sampling log-probs 0)."""
     from rlcore.rollout.engine import Rollout

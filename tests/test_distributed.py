@@ -113,10 +113,18 @@ def test_a_rank_leaves_with_its_status_after_the_atexit_handlers_and_flushed_out
 FIXED_ROLLOUT = """
 import os, sys
 import rlcore.train
-from conftest import fixed_completions, fixed_rollout
+from conftest import clip_bound_margin, fixed_completions, fixed_rollout
 from rlcore.cli import main
 
 rounds = []
+real_loss = rlcore.train.policy_loss
+
+
+def policy_loss(logp, old, advantages, mask, *args, **kwargs):  # records how near a clip bound its ratios come
+    with open(f"margins-{os.environ.get('RANK', '0')}.txt", "a") as f:
+        f.write(f"{clip_bound_margin(logp - old, mask)}\\n")
+    return real_loss(logp, old, advantages, mask, *args, **kwargs)
+
 
 def generate(model, prompts, num_generations, max_new_tokens, eos_token_ids, pad_token_id, **kwargs):
     first = int(os.environ.get("RANK", "0")) * len(prompts)  # this rank's rows: first .. first + len(prompts) - 1
@@ -125,6 +133,7 @@ def generate(model, prompts, num_generations, max_new_tokens, eos_token_ids, pad
     return fixed_rollout(prompts, every[first:], eos_token_ids[0], pad_token_id)
 
 rlcore.train.generate = generate
+rlcore.train.policy_loss = policy_loss
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -160,6 +169,11 @@ def test_two_ranks_train_as_one_rank_with_micro_batches_twice_as_large(loss_type
     assert out.returncode == 0, out.stderr[-3000:]
     assert "2 rank(s) x 6 completions = 3 prompts x G=4 per round" in out.stdout
 
+    # The two runs' log-probs differ in the last bits (other batch shapes): a ratio on a clip bound (the default
+    # epsilon, 0.2) could fall on either side, and the runs then differ by more than rounding. 8 micro-batch losses
+    # a run (2 rounds x mu = 2 x GA = 2) on each of 3 processes.
+    margins = [float(x) for f in tmp_path.glob("margins-*.txt") for x in f.read_text().split()]
+    assert len(margins) == 3 * 8 and min(margins) > 1e-5, f"a ratio sits {min(margins):.1e} from a clip bound"
     a, b = rows(one), rows(two)
     assert [r["reward/mean"] for r in b] == [r["reward/mean"] for r in a]  # the same completions
     assert [r["grad_norm"] for r in b] == pytest.approx([r["grad_norm"] for r in a], rel=1e-5)

@@ -24,7 +24,7 @@ import json
 import pytest
 import torch
 
-from conftest import fixed_completions, fixed_rollout, save_model_for_tokenizer, token_reward, toml_value
+from conftest import clip_bound_margin, fixed_completions, fixed_rollout, save_model_for_tokenizer, token_reward, toml_value
 from rlcore.config import load_config
 from test_train_hf import write_gsm8k
 
@@ -48,14 +48,58 @@ CASES = {
         lr_scheduler_type="cosine"),
     "off-policy rounds (steps_per_generation > GA), bnpo, masked truncations, high-entropy tokens only": dict(
         loss_type="bnpo", gradient_accumulation_steps=2, steps_per_generation=4, epsilon=0.1,
-        mask_truncated_completions=True, top_entropy_quantile=0.6, max_grad_norm=0.5, lr_scheduler_type="constant"),
+        mask_truncated_completions=True, top_entropy_quantile=0.69, temperature=0.3, max_grad_norm=0.5,
+        lr_scheduler_type="constant"),
     "gspo's sequence ratios, mu = 3, dr_grpo, high-entropy tokens only": dict(
         loss_type="dr_grpo", importance_sampling_level="sequence", epsilon=0.2, epsilon_high=0.28,
-        num_iterations=3, gradient_accumulation_steps=1, top_entropy_quantile=0.5, lr_scheduler_type="linear"),
+        num_iterations=3, gradient_accumulation_steps=1, top_entropy_quantile=0.6, temperature=0.3,
+        lr_scheduler_type="linear"),
 }
 
 
-def run_rlcore(options: dict, model_dir, data, tmp_path, monkeypatch):
+# rlcore's and transformers' arithmetic differ in the last bits, by an amount that depends on the CPU's
+# kernels. A case is only a fair comparison where every value that meets a threshold (an entropy against
+# the entropy-quantile cut, an importance ratio against a clip bound) sits clear of it by far more.
+MARGIN = 1e-5  # relative: about 80 fp32 ulps, where the two sides' entropies and log-probs differ by one or two
+
+
+class Thresholds:
+    """Records, during rlcore's run, the values its loop compares with a threshold: the entropies each
+    entropy-quantile cut is taken over (torch.quantile's input) and each micro-batch's log-ratios."""
+
+    def __init__(self):
+        self.quantiles, self.ratios = [], []
+
+    def watch(self, monkeypatch) -> None:
+        import rlcore.train
+
+        real_quantile, real_loss = torch.quantile, rlcore.train.policy_loss
+
+        def quantile(values, q, *args, **kwargs):
+            self.quantiles.append((values.detach().double(), float(q)))
+            return real_quantile(values, q, *args, **kwargs)
+
+        def policy_loss(logp, old, advantages, mask, *args, **kwargs):
+            self.ratios.append(((logp - old).detach().double(), mask.bool()))
+            return real_loss(logp, old, advantages, mask, *args, **kwargs)
+
+        monkeypatch.setattr(torch, "quantile", quantile)
+        monkeypatch.setattr(rlcore.train, "policy_loss", policy_loss)
+
+    def entropy_margin(self) -> float:
+        """The smallest distance, relative, from an entropy to its cut (computed in fp64); inf with no cut."""
+        margins = [((values - torch.quantile(values, q)).abs() / values.abs().max().clamp(min=1)).min().item()
+                    for values, q in self.quantiles]
+        return min(margins, default=float("inf"))
+
+    def ratio_margin(self, options: dict) -> float:
+        """The smallest distance, relative, from an importance ratio to a bound the loss clips it at."""
+        return min((clip_bound_margin(log_ratio, mask, options.get("epsilon", 0.2), options.get("epsilon_high"),
+                                      options.get("delta"), options.get("importance_sampling_level") == "sequence")
+                    for log_ratio, mask in self.ratios), default=float("inf"))
+
+
+def run_rlcore(options: dict, model_dir, data, tmp_path, monkeypatch, thresholds: Thresholds | None = None):
     """rlcore's loop on the fixed completions; returns its prompts per round, metrics rows and weights."""
     import rlcore.train
     from rlcore.tokenizer import Tokenizer
@@ -75,7 +119,10 @@ def run_rlcore(options: dict, model_dir, data, tmp_path, monkeypatch):
         f"model.path={model_dir}", "data.task=jsonl", f"data.path={data}", "data.prompt_column=question",
         "data.num_eval=0", "loss.reward_funcs=['conftest:token_reward']", "train.device=cpu",
         "train.bf16=false", f"train.output_dir={run}"])
-    rlcore.train.train(cfg)
+    with monkeypatch.context() as spies:  # rlcore's calls only, not TRL's
+        if thresholds is not None:
+            thresholds.watch(spies)
+        rlcore.train.train(cfg)
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     weights = transformers.AutoModelForCausalLM.from_pretrained(run / f"checkpoint-{STEPS}" / "model").state_dict()
     return rounds, rows, weights
@@ -136,7 +183,16 @@ def test_the_loop_trains_as_trls_grpo_trainer_on_the_same_completions(case, fami
     options, model_dir = CASES[case], with_family(qwen_dir, family)
     data = write_gsm8k(tmp_path / "prompts.jsonl", range(8))
     init = transformers.AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
-    rounds, rows, got = run_rlcore(options, model_dir, data, tmp_path, monkeypatch)
+    thresholds = Thresholds()
+    rounds, rows, got = run_rlcore(options, model_dir, data, tmp_path, monkeypatch, thresholds)
+    # A case that drifts onto a tie fails here, by name, not as a gradient norm off in the 5th digit.
+    assert thresholds.entropy_margin() > MARGIN, (
+        f"an entropy sits {thresholds.entropy_margin():.1e} (relative) from its top_entropy_quantile cut, which "
+        f"last-bit differences can move it across: choose a quantile whose cuts fall between distinct entropies")
+    assert thresholds.ratio_margin(options) > MARGIN, (
+        f"an importance ratio sits {thresholds.ratio_margin(options):.1e} (relative) from a clip bound: choose "
+        f"another epsilon")
+    assert bool(thresholds.quantiles) == (options.get("top_entropy_quantile", 1.0) < 1.0)  # the mask was applied
     logs, want = run_trl(options, model_dir, rounds, tmp_path, monkeypatch)
 
     assert len(rows) == len(logs) == STEPS
