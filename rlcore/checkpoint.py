@@ -6,8 +6,9 @@ copy of the weights. Saving writes the same layout transformers writes, so
 `AutoModelForCausalLM.from_pretrained(path)` loads an rlcore checkpoint back.
 
 A training run's checkpoints are directories `checkpoint-<step>/` in the run directory, each
-the model in that format (`model/`, with the tokenizer files) and `trainer_state.pt`, written
-atomically and found again through the file `latest`.
+the model in that format (`model/`, with the tokenizer files) and the trainer state
+(`run_state.json` + `run_state.safetensors`, rlcore.state), written atomically and found again
+through the file `latest`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from safetensors.torch import save_file
 
 from rlcore import RlcoreWarning
 from rlcore.model import ModelConfig, Transformer, rope_inv_freq
+from rlcore.state import StateFileError, has_state, read_state, state_file, write_state
 from rlcore.tokenizer import checkpoint_dir_problem
 from rlcore.tokenizer import read_json as read_json_object
 
@@ -59,7 +61,7 @@ def check_model_dir(path: Path) -> None:
                                   f"in the clone, or hf download)")
     if (path / "config.json").is_file():
         return
-    if (path / "trainer_state.pt").is_file() and (path / "model" / "config.json").is_file():
+    if has_state(path) and (path / "model" / "config.json").is_file():
         raise CheckpointError(f"{path} is an rlcore checkpoint; its model is {path / 'model'}: give that directory "
                               f"(or continue its run with --resume {path.parent})")
     if (path / "latest").is_file():
@@ -363,7 +365,7 @@ def check_new_run_dir(run: Path) -> None:
 
 def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep: int | None = 2,
                     ref=None) -> Path:
-    """run/checkpoint-<step>/: HF weights + tokenizer + trainer_state.pt (+ `ref_model/`, HF weights
+    """run/checkpoint-<step>/: HF weights + tokenizer + trainer state (+ `ref_model/`, HF weights
     of a reference model that training has changed, when `ref` is given), then `latest` points to it.
 
     The directory is written under a temporary name and renamed, and `latest` is replaced
@@ -372,8 +374,8 @@ def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep
     """
     final = run / f"checkpoint-{step}"
     tmp = run / f".checkpoint-{step}.tmp"
-    if final.exists() and not (final / "trainer_state.pt").is_file():  # else: a crashed attempt's save of this step
-        raise FileExistsError(f"{final} exists and is not an rlcore checkpoint (no trainer_state.pt); "
+    if final.exists() and not has_state(final):  # else: a crashed attempt's save of this step
+        raise FileExistsError(f"{final} exists and is not an rlcore checkpoint (no run_state.json); "
                               f"move it out of the run directory {run}")
     shutil.rmtree(tmp, ignore_errors=True)
     extra = {n: source / n for n in TOKENIZER_FILES if (source / n).is_file()}
@@ -381,7 +383,7 @@ def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep
         save_model(model, tmp / "model", extra_files=extra)
         if ref is not None:
             save_model(ref, tmp / "ref_model")
-        torch.save(state, tmp / "trainer_state.pt")
+        write_state(tmp, state)
         fsync_dir(tmp)
     except (OSError, SafetensorError, RuntimeError) as e:  # no space, file too large, I/O error (torch: RuntimeError)
         shutil.rmtree(tmp, ignore_errors=True)  # give the space back
@@ -409,9 +411,9 @@ def checkpoint_step(ck: Path) -> int:
 
 def checkpoints(run: Path) -> list[Path]:
     """The run's `checkpoint-<step>` directories, oldest first (saves in progress are `.checkpoint-*`).
-    Only rlcore's (with trainer_state.pt): rotation never deletes a Trainer's or a user's directory."""
+    Only rlcore's (with a trainer state): rotation never deletes a Trainer's or a user's directory."""
     return sorted((p for p in run.glob("checkpoint-*")
-                   if p.name.removeprefix("checkpoint-").isdigit() and (p / "trainer_state.pt").is_file()),
+                   if p.name.removeprefix("checkpoint-").isdigit() and has_state(p)),
                   key=checkpoint_step)
 
 
@@ -426,30 +428,30 @@ def latest_checkpoint(run: Path) -> Path:
         raise FileNotFoundError(f"{run}: no `latest` file; nothing to resume (was a checkpoint saved?)")
     name = ptr.read_text().strip()
     ck = run / name
-    if not name or not (ck / "trainer_state.pt").is_file():
+    if not name or not has_state(ck):
         others = checkpoints(run)
         fix = (f"; the run directory keeps {others[-1].name}: write its name into {ptr} to resume from it"
                if others else "")
         if not name:
             raise FileNotFoundError(f"{ptr} is empty: it names no checkpoint" + fix)
         raise FileNotFoundError(f"{ck}: checkpoint named by {ptr} is " +
-                                ("incomplete (no trainer_state.pt)" if ck.is_dir() else "missing") + fix)
+                                ("incomplete (no run_state.json)" if ck.is_dir() else "missing") + fix)
     return ck
 
 
 TRAINER_STATE_KEYS = ("optimizer", "scheduler", "sampler_rng", "shuffler_rng", "torch_rng", "step", "data_pos",
                       "nonfinite_total", "before")
-"""What every rlcore trainer_state.pt holds (train() writes more; later versions' additions are read with .get)."""
+"""What every rlcore trainer state holds (train() writes more; later versions' additions are read with .get)."""
 
 
 def load_trainer_state(ck: Path) -> dict:
-    """The optimizer, schedule, RNG and data-position state saved with checkpoint `ck`."""
-    file = ck / "trainer_state.pt"
+    """The optimizer, schedule, RNG and data-position state saved with checkpoint `ck`. Nothing in it
+    runs code (rlcore.state), so a run directory from elsewhere resumes without being trusted."""
+    file = state_file(ck)
     try:
-        state = torch.load(file, weights_only=False)
-    except Exception as e:  # a damaged file fails inside pickle or zipfile, with no file name
-        raise ValueError(f"{file} cannot be read ({type(e).__name__}: {e}); the checkpoint is damaged"
-                         f"{way_back(ck)}") from e
+        state = read_state(ck)
+    except StateFileError as e:
+        raise ValueError(f"{e}; the checkpoint is damaged, or not rlcore's{way_back(ck)}") from e
     missing = TRAINER_STATE_KEYS if not isinstance(state, dict) else [k for k in TRAINER_STATE_KEYS if k not in state]
     if missing:
         raise ValueError(f"{file} is not an rlcore trainer state: it lacks {', '.join(missing)}; rlcore resumes only "

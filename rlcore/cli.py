@@ -102,8 +102,9 @@ def no_latest_hint(run: Path) -> str:
     """What a --resume directory without a `latest` file is instead: one of rlcore's checkpoints, a
     run that stopped before its first save, or a transformers Trainer's (TRL's) output."""
     from rlcore.checkpoint import RUN_CONFIG_HEADER
+    from rlcore.state import has_state
 
-    if (run / "trainer_state.pt").is_file():  # a checkpoint, as the Trainer's resume_from_checkpoint takes
+    if has_state(run):  # a checkpoint, as the Trainer's resume_from_checkpoint takes
         return (f"; it is a checkpoint: --resume takes its run directory, --resume {run.parent} (which "
                 f"continues from the checkpoint its `latest` names)")
     trainer = sorted((p.parent for p in run.glob("checkpoint-*/trainer_state.json")),

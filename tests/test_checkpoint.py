@@ -344,7 +344,7 @@ def test_latest_naming_a_missing_checkpoint_says_missing_and_names_the_one_kept(
                                                 r"directory keeps checkpoint-10: write its name into"):
         latest_checkpoint(tmp_path)
     (tmp_path / "checkpoint-14").mkdir()
-    with pytest.raises(FileNotFoundError, match=r"is incomplete \(no trainer_state\.pt\); the run directory keeps "
+    with pytest.raises(FileNotFoundError, match=r"is incomplete \(no run_state\.json\); the run directory keeps "
                                                 r"checkpoint-10"):
         latest_checkpoint(tmp_path)
     (tmp_path / "latest").write_text("\n")
@@ -364,3 +364,39 @@ def test_a_trainer_state_rlcore_did_not_write_is_named_with_the_keys_it_lacks(tm
     with pytest.raises(ValueError, match=rf"trainer_state\.pt is not an rlcore trainer state: it lacks optimizer, "
                                          rf"scheduler, sampler_rng, .*--set model\.path={ck / 'model'}$"):
         load_trainer_state(ck)
+
+
+def test_the_trainer_state_round_trips_through_json_and_safetensors_exactly(tmp_path):
+    """An optimizer's state (integer keys, tuples, 0-dim tensors), RNG states, None and non-finite
+    floats come back equal, of the same types, from files that hold no pickle."""
+    from rlcore.state import read_state, write_state
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, betas=(0.9, 0.99))
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    state = {"optimizer": opt.state_dict(), "sampler_rng": [torch.Generator().manual_seed(s).get_state() for s in (1, 2)],
+             "step": 3, "before": None, "best": float("inf"), "name": "x", "keys": {"tensor": 1, 7: (2, 3)}}
+    write_state(tmp_path, state)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run_state.json", "run_state.safetensors"]
+    got = read_state(tmp_path)
+
+    def same(a, b):
+        assert type(a) is type(b)
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        elif isinstance(a, dict):
+            assert list(a) == list(b)
+            for k in a:
+                same(a[k], b[k])
+        elif isinstance(a, (list, tuple)):
+            assert len(a) == len(b)
+            for x, y in zip(a, b):
+                same(x, y)
+        else:
+            assert a == b
+
+    same(got, state)
+    fresh = torch.optim.AdamW(model.parameters(), lr=0.1)
+    fresh.load_state_dict(got["optimizer"])  # the parameter indices are integers again
+    assert torch.equal(fresh.state[model.weight]["exp_avg"], opt.state[model.weight]["exp_avg"])

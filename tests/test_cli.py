@@ -16,6 +16,7 @@ import torch
 
 from rlcore.checkpoint import kept_checkpoint
 from rlcore.cli import interrupt, main
+from rlcore.state import read_state, write_state
 from test_train import NUM_EVAL, SEED, SMALL, cli_args, rows, weights
 
 pytestmark = pytest.mark.usefixtures("embedded_dir")  # conftest: the embedded model, one torch thread
@@ -367,7 +368,7 @@ def test_a_save_does_not_replace_a_directory_that_is_not_an_rlcore_checkpoint(tm
 
 @pytest.mark.parametrize("where, error", [
     ("save_file", "SafetensorError: Error while serializing: I/O error: File too large (os error 27)"),
-    ("torch.save", "OSError: [Errno 28] No space left on device"),
+    ("state.save_file", "OSError: [Errno 28] No space left on device"),
 ])
 def test_a_checkpoint_that_cannot_be_written_is_named_and_the_previous_one_kept(where, error, tmp_path, capsys,
                                                                               monkeypatch):
@@ -376,6 +377,7 @@ def test_a_checkpoint_that_cannot_be_written_is_named_and_the_previous_one_kept(
     import safetensors
 
     import rlcore.checkpoint
+    import rlcore.state
 
     saves = []
 
@@ -392,7 +394,7 @@ def test_a_checkpoint_that_cannot_be_written_is_named_and_the_previous_one_kept(
         monkeypatch.setattr(rlcore.checkpoint, "save_file", failing(rlcore.checkpoint.save_file, exc))
     else:
         exc = OSError(errno.ENOSPC, "No space left on device")
-        monkeypatch.setattr(rlcore.checkpoint.torch, "save", failing(torch.save, exc))
+        monkeypatch.setattr(rlcore.state, "save_file", failing(rlcore.state.save_file, exc))
     run = tmp_path / "run"
     assert main(cli_args(run, "train.max_steps=2", "train.save_steps=1")) == 1
     err = capsys.readouterr().err
@@ -406,15 +408,44 @@ def test_a_checkpoint_that_cannot_be_written_is_named_and_the_previous_one_kept(
 def test_cli_resume_from_a_damaged_trainer_state_names_it_and_the_way_back(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(cli_args(run, "train.max_steps=2", "train.save_steps=1")) == 0
-    (run / "checkpoint-2" / "trainer_state.pt").write_bytes(b"PK\x03\x04 not a zip archive")
+    (run / "checkpoint-2" / "run_state.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{trunc")
     capsys.readouterr()
     assert main(["train", "--resume", str(run), "--set", "train.max_steps=3"]) == 1
     err = capsys.readouterr().err
-    assert f"{run / 'checkpoint-2' / 'trainer_state.pt'} cannot be read" in err
+    assert f"{run / 'checkpoint-2' / 'run_state.safetensors'} cannot be read" in err
     assert f"the run keeps checkpoint-1: write that name into {run / 'latest'} to resume from it" in err
     (run / "latest").write_text("checkpoint-1")  # the way back the message gives
     assert main(["train", "--resume", str(run), "--set", "train.max_steps=3"]) == 0
     assert [r["step"] for r in rows(run)] == [1, 2, 3]
+
+
+class RunsCode:
+    """A pickle payload: unpickling it calls os.system, as a tampered trainer_state.pt could."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_cli_resume_never_unpickles_code_from_a_trainer_state(tmp_path, capsys):
+    """A run directory may come from someone else: its trainer state loads without running code. Earlier
+    rlcore's trainer_state.pt is read with torch.load(weights_only=True), which refuses the payload."""
+    run, marker = tmp_path / "run", tmp_path / "marker"
+    assert main(cli_args(run, "train.max_steps=1")) == 0
+    ck = run / "checkpoint-1"
+    state = read_state(ck)
+    for name in ("run_state.json", "run_state.safetensors"):
+        (ck / name).unlink()
+    torch.save({**state, "evil": RunsCode(marker)}, ck / "trainer_state.pt")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--set", "train.max_steps=2"]) == 1
+    assert f"{ck / 'trainer_state.pt'} cannot be read" in capsys.readouterr().err
+    assert not marker.exists()
+    torch.save(state, ck / "trainer_state.pt")  # an earlier rlcore's plain state still resumes
+    assert main(["train", "--resume", str(run), "--set", "train.max_steps=2"]) == 0
+    assert [r["step"] for r in rows(run)] == [1, 2]
 
 
 def test_cli_resume_from_truncated_weights_names_them_and_the_way_back(tmp_path, capsys):
@@ -433,11 +464,10 @@ def test_cli_resume_of_a_checkpoint_with_one_optimizer_group_names_it(tmp_path, 
     # Written before weight decay skipped biases and norm weights: torch's own error names no file.
     run = tmp_path / "run"
     assert main(cli_args(run, "train.max_steps=1")) == 0
-    file = run / "checkpoint-1" / "trainer_state.pt"
-    state = torch.load(file, weights_only=False)
+    state = read_state(run / "checkpoint-1")
     groups = state["optimizer"]["param_groups"]
     groups[0]["params"] += groups.pop(1)["params"]
-    torch.save(state, file)
+    write_state(run / "checkpoint-1", state)
     capsys.readouterr()
     assert main(["train", "--resume", str(run), "--set", "train.max_steps=2"]) == 1
     assert f"{run / 'checkpoint-1'} was saved by an earlier rlcore" in capsys.readouterr().err

@@ -26,6 +26,7 @@ from rlcore.cli import DEFAULT_CONFIG, main
 from rlcore.config import load_config
 from rlcore.data import DataError
 from rlcore.embedded import build_embedded_model
+from rlcore.state import read_state
 from rlcore.tokenizer import Tokenizer
 from rlcore.checkpoint import latest_checkpoint, load_model
 from rlcore.tasks import unique_problems
@@ -1151,7 +1152,7 @@ def test_two_ranks_train_one_run_in_sync_and_resume(tmp_path):
     got = [json.loads(ln) for ln in (run / "completions.jsonl").read_text().splitlines()]
     assert len(got) == 2 * 12 and all(r["starts_with"] == r["completion"][:1] for r in got)
     assert logged_metric_is_the_mean_over_the_round(run, 12)
-    state = torch.load(run / "checkpoint-2" / "trainer_state.pt", weights_only=False)
+    state = read_state(run / "checkpoint-2")
     assert len(state["sampler_rng"]) == 2 and not torch.equal(*state["sampler_rng"])  # one stream per rank
     out = torchrun(tmp_path, "train", "--resume", str(run), "--set", "train.max_steps=3")
     assert out.returncode == 0, out.stderr[-3000:]
