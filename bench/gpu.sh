@@ -10,8 +10,8 @@
 # 4. tests/test_gpu.py: the CUDA path against transformers on the same GPU, the fp64 definition
 #    and the CPU tests' own criteria (learning, resume), and the shipped GSM8K config on the GPU.
 # Each step has a time limit in seconds (GPU_SH_LIMITS="build tests bench rollout gpu_tests"), and
-# none runs past GPU_SH_DEADLINE seconds from the start, so a short lease still brings back the
-# logs of what ran.
+# none runs past GPU_SH_DEADLINE seconds from the start, so a time-limited GPU session still brings
+# back the logs of what ran.
 # Needs torch with CUDA, nvcc, ninja, transformers, pytest, tokenizers, safetensors and jinja2; no
 # install of rlcore (PYTHONPATH) and no network.
 set -u -o pipefail

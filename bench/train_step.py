@@ -4,7 +4,7 @@
                                                             [--side both|trl|rlcore] [--grad-ckpt]
                                                             [--trl-glibc-malloc] [--bf16]
 
-Setup (issue 5, same model shape as bench/rollout.py), written into a temp dir by this script:
+Setup (same model shape as bench/rollout.py), written into a temp dir by this script:
   model       random Qwen2ForCausalLM, hidden 512, 8 layers, 8 heads / 2 KV heads, intermediate 1408,
               vocab 32000, tied embeddings, fp32, saved with transformers' save_pretrained
   tokenizer   `tokenizers` WordLevel over <pad> <eos> <unk> + "w0".."w31996" (32000 ids), whitespace
@@ -39,23 +39,22 @@ to compare like with like:
 - the TRL worker makes the allocator setting rlcore's train() makes for its own process
   (`rlcore.train.reuse_freed_memory`: glibc keeps freed memory instead of unmapping it, so
   large tensors do not come back as fresh zero-filled pages). It speeds TRL's update more than
-  rlcore's (back to back: 22.1 s against 36.9 s with glibc's defaults). --trl-glibc-malloc runs
-  TRL as it runs out of the box instead.
+  rlcore's (docs/benchmarks.md). --trl-glibc-malloc runs TRL as it runs out of the box instead.
 --bf16 runs both sides in mixed precision instead: TRL with bf16=True (its default: bf16
 autocast over the fp32 model) and rlcore with train.bf16=true (bf16 autocast for the training
 forwards, log-probs still from fp32 hidden states and weights, and a bf16 rollout). That pays
-only on a CPU with bf16 matrix units (AMX): on this project's machine a 2048^3 bf16 matmul runs
-at 630-1100 GFLOP/s against ~210 in fp32.
+only on a CPU with bf16 matrix units (AMX), where a bf16 matmul runs several times faster than
+an fp32 one.
 
 The load average before and after each side is printed. Other work on the machine slows both
 sides, decoding most (many small multi-threaded ops, each waiting at an OpenMP barrier for a
-descheduled thread): with the load at 3 on 2 cores, step times swung 74-175 s. Time on a quiet
-machine, or pass --threads 1, which is slower but steady under load.
+descheduled thread): under a load above the core count, step times can more than double. Time on
+a quiet machine, or pass --threads 1, which is slower but steady under load.
 Before the last lines, the step's FLOP floor: the model FLOPs of the least work a step needs (one
 forward to sample, one forward and backward to train, each prompt once; 4 x bench/rollout.py's
 count), the seconds they take at this machine's matmul peak (measured here before and after the
 sides), each side's share of that peak, and the share 3x TRL's speed would need. It shows whether
-the issue's target is within this machine's reach, whatever either side does.
+3x TRL is within this machine's reach, whatever either side does.
 The last line is `train_step_speedup_vs_trl=<TRL seconds per step / rlcore seconds per step>`.
 """
 
@@ -301,7 +300,7 @@ def step_flops(d: Path) -> float:
 
 def floor_lines(flops: float, peak: float, res: dict) -> list[str]:
     """How far each side is from the step's FLOP floor at this machine's matmul peak, and what
-    3x TRL would need: the evidence for whether the issue's target can be met here."""
+    3x TRL would need: the evidence for whether that target can be met here."""
     lines = [f"floor: {flops / 1e12:.2f} TFLOP of model FLOPs per step (sample: 1 forward; train: 1 forward "
              f"+ backward; each prompt once) = {flops / peak / 1e9:.1f} s/step at the matmul peak of "
              f"{peak:.0f} GFLOP/s (2048^3 mm, this process, before and after the sides)"]

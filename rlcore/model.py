@@ -291,7 +291,7 @@ class Attention(nn.Module):
         cpu_amp = torch.is_autocast_enabled("cpu") and q.device.type == "cpu"
         if cpu_amp:
             # CPU autocast would run attention in bf16, whose CPU kernels are slower than fp32's
-            # (3x in backward); the matmuls around it keep their bf16 speed-up.
+            # (backward most); the matmuls around it keep their bf16 speed-up.
             q, k, v = q.float(), k.float(), v.float()
         with torch.autocast("cpu", enabled=False) if cpu_amp else contextlib.nullcontext():
             y = F.scaled_dot_product_attention(

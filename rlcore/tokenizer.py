@@ -202,10 +202,8 @@ class Tokenizer:
             entries.update(read_json(path / "special_tokens_map.json"))
         special_tokens = {key: token_content(value) for key, value in entries.items()
                           if key.endswith("_token") and isinstance(token_content(value), str)}
-        # transformers makes every named special token (eos, pad, ...) and every token that
-        # tokenizer_config.json's added_tokens_decoder marks special a special token, whatever
-        # tokenizer.json says (an EOS a fine-tune added with add_tokens, or a plain vocabulary
-        # entry): decode(skip_special_tokens=True), the text reward functions see, then drops it
+        # transformers makes named special tokens and added_tokens_decoder's special ones special whatever
+        # tokenizer.json says, so decode(skip_special_tokens=True), what reward functions see, drops them
         flagged = [token_content(v) for v in config.get("added_tokens_decoder", {}).values()
                    if isinstance(v, dict) and v.get("special")]
         backend.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)

@@ -31,7 +31,7 @@ from rlcore import RlcoreWarning
 
 SOURCES = {"token_logprobs": Path(__file__).with_name("token_logprobs.cu")}
 _loaded: dict[str, ModuleType | None] = {}
-STALE_LOCK_MINUTES = 20  # a build takes about a minute (66 s on an H200's host)
+STALE_LOCK_MINUTES = 20  # a build takes about a minute; older than this, its builder is gone
 
 
 def build(name: str, verbose: bool = False) -> ModuleType:

@@ -96,10 +96,8 @@ def decode_one_token(model: Transformer, tokens: torch.Tensor, positions: torch.
 
 def decoding_attention(device: torch.device):
     """The attention kernels a decoding step may use: on CUDA, not cuDNN's. PyTorch picks cuDNN
-    first for bf16 on recent GPUs, and it plans every new shape on the CPU (~1.8 ms a call on an
-    H200); decoding lengthens the keys every step, so every layer of every step paid it (a bf16
-    rollout of 64 x 512 tokens in Qwen2.5-0.5B's shape: 35 s, against 11 s in fp32; without
-    cuDNN, 14 s)."""
+    first for bf16 on recent GPUs, and it plans every new shape on the CPU; decoding lengthens the
+    keys every step, so every layer of every step would pay that planning."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
@@ -110,10 +108,9 @@ def matmul_weights_in(model: Transformer, dtype: torch.dtype):
     """Give the decoder layers' nn.Linear modules `dtype` copies of their weights and biases
     inside the block, and their own parameters back after it (also on error). Autocast to `dtype`
     casts exactly these at each call, so the results are the same (the lm_head's weight, also the
-    embedding when tied, is left to autocast). On a GPU, where a decoding step is bound by kernel
-    launches, those casts made a bf16-autocast rollout of 64 x 512 tokens in Qwen2.5-0.5B's shape
-    take 14.2 s on an H200, against 10.7 s cast once. Costs a `dtype` copy of those weights while
-    the block runs. The parameters themselves are not touched (a dtype change through `.data`
+    embedding when tied, is left to autocast). On a GPU a decoding step is bound by kernel
+    launches, so a cast per call and step costs more than one cast per rollout. Costs a `dtype`
+    copy of those weights while the block runs. The parameters themselves are not touched (a dtype change through `.data`
     would drop their gradient hooks): the modules hold the copies in their places."""
     own = [(m, name, p) for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)
            for name, p in m._parameters.items() if p is not None]

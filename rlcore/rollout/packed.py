@@ -15,15 +15,8 @@ The arithmetic is the model's (same ops in the same order, matmuls re-blocked), 
 with `decode_one_token` to fp32 rounding. The packed copies cost extra memory: about 3x the
 weights for the benchmark model (hidden 512, MKL's packed format pads small matrices), about
 1.4x for large ones. MKL's layout is for one row count: on fewer rows it falls back to an
-ordinary matmul on the unpacked weights, slower than packing for that count (benchmark model,
-131 slots: 34-37 / 33-35 / 27-32 ms per step at 56 / 48 / 32 rows packed for 64, against 28 /
-25-26 / 19-20 ms packed for each), so the engine calls `repack` after it drops finished rows.
-
-Measured on this project's 2-core Intel CPU (benchmark model, 64 rows, 131 cached slots): 43-48 ms
-per step against 54-60 ms through the `nn.Module` forward (a throwaway per-step timing on
-bench/rollout.py's model; the bench itself prints whole-rollout tokens/s). On the project's AMD
-EPYC machine (AVX2) the same step takes about 71 ms, and `weight @ x.T` products would take it to
-63 ms with the same bits (docs/benchmarks.md); not adopted, as it was never measured on Intel.
+ordinary matmul on the unpacked weights, slower than packing for that count, so the engine calls
+`repack` after it drops finished rows. docs/benchmarks.md has the step times against the module.
 """
 
 from __future__ import annotations
@@ -60,9 +53,8 @@ def _one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Attention of one query per row, q `[B, nh, 1, d]`, over k, v `[B, nkv, S, d]` (a view of
     the cache), under bool `mask` `[B, 1, 1, S]` (padding) or None; no causal structure to
     impose. Query head h reads kv head h // (nh / nkv), as SDPA's enable_gqa. Two batched
-    matmuls over the B * nkv groups of nh / nkv query heads: in fp32 0.53-0.65 ms per layer at
-    64 rows and 131 slots, where SDPA's CPU flash kernel (built for many queries) takes
-    0.73-1.1 ms. In bf16 it is the other way round (0.88 against 0.47 ms), so SDPA runs there.
+    matmuls over the B * nkv groups of nh / nkv query heads: in fp32 faster than SDPA's CPU flash
+    kernel, which is built for many queries; in bf16 slower, so SDPA runs there.
     """
     B, nh, _, d = q.shape
     nkv, S = k.shape[1], k.shape[2]
