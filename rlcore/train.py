@@ -43,8 +43,8 @@ import torch
 from rlcore.checkpoint import (RUN_CONFIG_HEADER, CheckpointError, check_model_dir, check_new_run_dir, checkpoint_step,
                                latest_checkpoint, load_model, load_resumed_model, load_trainer_state, resolve_dtype,
                                resume_command, save_checkpoint)
-from rlcore.config import (EMBEDDED_MODEL_PATHS, Config, LossArgs, TrainArgs, changed_data, dump_config,
-                           embedded_model_name, recorded_model, with_absolute_paths)
+from rlcore.config import (EMBEDDED_MODEL_PATHS, Config, changed_data, dump_config, embedded_model_name,
+                           recorded_model, with_absolute_paths)
 from rlcore import RlcoreWarning, distributed
 from rlcore.data import encode_prompts, load_examples
 from rlcore.embedded import build_embedded_model, cache_dir_name, why_a_model_of_its_own
@@ -55,6 +55,7 @@ from rlcore.losses.entropy import EntropyBonus
 from rlcore.losses.metrics import rollout_mismatch
 from rlcore.losses.policy import entropy_mask, mask_truncated, policy_loss, tis_weights
 from rlcore.model import Transformer, mix_into, weight_layout_difference
+from rlcore.options import LossArgs, TrainArgs
 from rlcore.rewards import (REWARD_EXTRAS, RewardFunctionError, RewardState, dataset_columns, get_reward_funcs,
                             reward_extras, reward_inputs)
 from rlcore.rollout import Rollout, generate

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from rlcore.config import options_table
+from rlcore.options import options_table
 
 ROOT = Path(__file__).parent.parent
 

@@ -250,7 +250,7 @@ def test_weight_decay_skips_the_parameters_transformers_trainer_skips(family, hf
     (Qwen2's q/k/v), not norm weights (Qwen3's q_norm / k_norm too); the embedding and matrices."""
     from transformers import Trainer
 
-    from rlcore.config import TrainArgs
+    from rlcore.options import TrainArgs
     from rlcore.train import adamw
 
     path, hf = hf_checkpoint(family)
