@@ -95,7 +95,7 @@ def test_steps_per_generation_defaults_to_gradient_accumulation_steps():
 
 def test_generation_batch_size_sets_steps_per_generation_for_the_world_size():
     """TRL's rule: steps_per_generation = generation_batch_size / (per_device_train_batch_size * ranks)."""
-    from rlcore.validation import generation_steps
+    from rlcore.geometry import generation_steps
 
     base = ["train.per_device_train_batch_size=8", "train.gradient_accumulation_steps=2", "rollout.num_generations=4"]
     c = load_config(None, [*base, "generation_batch_size=32"])
@@ -133,7 +133,7 @@ def test_num_train_epochs_without_max_steps_means_count_the_epochs(tmp_path):
 
 
 def test_epoch_steps_counts_whole_rounds_as_trl_does():
-    from rlcore.validation import epoch_steps
+    from rlcore.geometry import epoch_steps
 
     assert epoch_steps(256, 4, 1, 1.0) == 64
     assert epoch_steps(21, 2, 2, 1.5) == 30    # 10 whole rounds (the 21st prompt is dropped), 2 steps each

@@ -310,7 +310,7 @@ def test_num_train_epochs_gives_the_steps_trl_trains_for(prompts, b, ga, spg, mu
     trl = pytest.importorskip("trl", reason="TRL is the reference")
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from rlcore.validation import epoch_steps, generation_steps
+    from rlcore.geometry import epoch_steps, generation_steps
 
     G = 4
     args = trl.GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=b, gradient_accumulation_steps=ga,
