@@ -67,13 +67,8 @@ class Config:
                               "on the IS weight and it is left at epsilon; set "
                               "loss.epsilon_high=5.0 (the CISPO paper's value)", RlcoreWarning, stacklevel=2)
             self.loss.epsilon_high = self.loss.epsilon
-        if self.train.generation_batch_size is not None:  # S is resolved for the world size: generation_steps()
-            if self.train.steps_per_generation is not None:
-                raise ConfigError(f"train.generation_batch_size = {self.train.generation_batch_size} and "
-                                  f"train.steps_per_generation = {self.train.steps_per_generation} are both set; "
-                                  f"they say the same thing (generation_batch_size = per_device_train_batch_size * "
-                                  f"steps_per_generation * world size), keep one (as TRL requires)")
-        elif self.train.steps_per_generation is None:
+        # (from generation_batch_size, S depends on the world size: Geometry.of resolves it)
+        if self.train.steps_per_generation is None and self.train.generation_batch_size is None:
             self.train.steps_per_generation = self.train.gradient_accumulation_steps
         if self.rollout.seed is None:
             self.rollout.seed = self.train.seed

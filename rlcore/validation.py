@@ -1,8 +1,9 @@
 """What makes a config one that can run: value ranges, the batch geometry of SPEC section 1, and
 option combinations that conflict (errors) or that TRL also warns about (warnings).
 
-`validate` collects every problem into one ConfigError, so a user fixes a config in one go;
-`load_config` calls it for the world size it is given, and `train()` again for torchrun's.
+`validate` collects every problem into one ConfigError, so a user fixes a config in one go.
+`load_config` calls it for the world size it is given and `train()` for torchrun's; a config it
+has passed for that world size is not checked again, so a loaded config is checked once.
 """
 
 from __future__ import annotations
@@ -56,7 +57,11 @@ def non_finite(config: Config) -> list[str]:
 
 def validate(config: Config, world_size: int = 1) -> None:
     """Check ranges and batch-size consistency (SPEC section 1); raise one ConfigError listing every problem
-    (NaN and infinite values first, alone: the range checks would misread them)."""
+    (NaN and infinite values first, alone: the range checks would misread them). A config that passed
+    for `world_size` and has not changed since passes again without a second check or warning."""
+    checked = (world_size, dataclasses.asdict(config))
+    if getattr(config, "validated", None) == checked:  # load_config's check, seen again by train()
+        return
     if problems := non_finite(config):
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
     problems = []
@@ -68,6 +73,10 @@ def validate(config: Config, world_size: int = 1) -> None:
 
     # The batch geometry (SPEC 1): the checks that depend on the world size.
     geometry = Geometry.of(config, world_size)
+    need(train.generation_batch_size is None or train.steps_per_generation is None,
+         f"train.generation_batch_size = {train.generation_batch_size} and train.steps_per_generation = "
+         f"{train.steps_per_generation} are both set; they say the same thing (generation_batch_size = "
+         f"per_device_train_batch_size * steps_per_generation * world size), keep one (as TRL requires)")
     if train.steps_per_generation is None:  # set by train.generation_batch_size
         generation_batch, per_micro_batch = train.generation_batch_size, geometry.b * world_size  # all ranks
         if generation_batch < 1 or per_micro_batch < 1 or generation_batch % per_micro_batch:
@@ -274,3 +283,4 @@ def validate(config: Config, world_size: int = 1) -> None:
         need(getattr(train, key) >= 0, f"train.{key} = {getattr(train, key)} must be >= 0; 0 = only at the end")
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+    config.validated = checked  # not a field: the world size and values this config passed for
