@@ -91,10 +91,10 @@ class Config:
                     raise ConfigError(f"{name}.{key} is set twice, to {kwargs[key]!r} and {value!r} (one of them "
                                       f"under another name TRL uses for it); keep one")
                 if key not in hints:
-                    trl = trl_compat.explain(key, value)
-                    if trl is None:
+                    explained = trl_compat.explain(key, value)
+                    if explained is None:
                         raise ConfigError(f"unknown config key {name}.{key}{_suggest(f'{name}.{key}')}")
-                    harmless, text = trl
+                    harmless, text = explained
                     if not harmless:
                         raise ConfigError(text)
                     warnings.warn(text, RlcoreWarning, stacklevel=3)
@@ -319,7 +319,7 @@ def parse_override(item: str) -> tuple[str, str, object]:
     hint = typing.get_type_hints(SECTIONS[section]).get(name)
     if isinstance(value, str) and value.startswith("[") and value.endswith("]") and hint is not None \
             and accepts(hint, list) and not accepts(hint, str):
-        value = [w.strip() for w in value[1:-1].split(",") if w.strip()]  # the shell ate the quotes: [a,b]
+        value = [item.strip() for item in value[1:-1].split(",") if item.strip()]  # the shell ate the quotes: [a,b]
     if hint is not None and not isinstance(value, str) and accepts(hint, str) and not accepts(hint, type(value)):
         value = raw  # `data.system_prompt=42` means the text "42"
     return section, name, value

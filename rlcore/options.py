@@ -407,6 +407,6 @@ def options_table() -> str:
         docs, hints = field_docs(cls), typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            typ = describe(hints[f.name]).replace("|", "\\|")
-            rows.append(f"| `{section}.{f.name}` | {typ} | `{default!r}` | {docs.get(f.name, '')} |")
+            type_text = describe(hints[f.name]).replace("|", "\\|")
+            rows.append(f"| `{section}.{f.name}` | {type_text} | `{default!r}` | {docs.get(f.name, '')} |")
     return "\n".join(rows)
