@@ -3,9 +3,9 @@ and one docstring line per field, and the types their values may take.
 
 Option names are TRL `GRPOConfig`'s wherever TRL has the option, so a TRL config carries across
 (rlcore/trl_compat.py maps the rest). Each field's docstring is the string on the line after it;
-`field_docs` reads them back, so `rlcore options` and docs/options.md come from this file.
-The defaults here are rlcore's only ones; rlcore/config.py fills those that depend on another
-field, and rlcore/default.toml is the embedded tiny model's run, a config file over them.
+`field_docs` reads them back, so `rlcore options` and the documented table come from this file.
+The defaults here are rlcore's only ones: rlcore/config.py fills in those that depend on another
+field, and rlcore/default.toml is the embedded tiny model's run, a config file laid over them.
 """
 
 from __future__ import annotations
