@@ -162,7 +162,8 @@ def run_command(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{unknown_argument_hint(unknown, argv)}")
 
-    from rlcore.config import ConfigError, load_config, model_in_overrides, options_table, overridden
+    from rlcore.config import ConfigError, load_config, model_in_overrides, overridden
+    from rlcore.options import options_table
 
     if args.command == "options":
         print(options_table())

@@ -43,25 +43,27 @@ import torch
 from rlcore.checkpoint import (RUN_CONFIG_HEADER, CheckpointError, check_model_dir, check_new_run_dir, checkpoint_step,
                                latest_checkpoint, load_model, load_resumed_model, load_trainer_state, resolve_dtype,
                                resume_command, save_checkpoint)
-from rlcore.config import (EMBEDDED_MODEL_PATHS, Config, LossArgs, TrainArgs, changed_data, dump_config,
-                           embedded_model_name, recorded_model, with_absolute_paths)
+from rlcore.config import (EMBEDDED_MODEL_PATHS, Config, changed_data, dump_config, embedded_model_name,
+                           recorded_model, with_absolute_paths)
 from rlcore import RlcoreWarning, distributed
 from rlcore.data import encode_prompts, load_examples
 from rlcore.embedded import build_embedded_model, cache_dir_name, why_a_model_of_its_own
 from rlcore.forward import SharedPrompts, completion_logprobs, pack
+from rlcore.geometry import Geometry
 from rlcore.losses.advantages import check_reward_funcs, compute_advantages, score_completions, weighted_rewards
 from rlcore.losses.aggregate import aggregate_loss
 from rlcore.losses.entropy import EntropyBonus
 from rlcore.losses.metrics import rollout_mismatch
 from rlcore.losses.policy import entropy_mask, mask_truncated, policy_loss, tis_weights
 from rlcore.model import Transformer, mix_into, weight_layout_difference
+from rlcore.options import LossArgs, TrainArgs
 from rlcore.rewards import (REWARD_EXTRAS, RewardFunctionError, RewardState, dataset_columns, get_reward_funcs,
                             reward_extras, reward_inputs)
 from rlcore.rollout import Rollout, generate
 from rlcore.runlog import Progress, drop_rows_after, log_completions, log_line, record_eval, reduce_metrics
 from rlcore.tasks import TASK_REWARD, unique_problems
 from rlcore.tokenizer import Tokenizer, check_vocab_fits
-from rlcore.validation import epoch_steps, generation_steps, validate, warn_bf16_weights
+from rlcore.validation import validate, warn_bf16_weights
 
 
 # ----------------------------------------------------------------------------- plumbing
@@ -389,14 +391,11 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
     stop_sequences = [ids for s in rc.stop for ids in tok.stop_ids(s)]  # rollout.stop as token ids
 
     # Batch geometry (SPEC 1): one round = b*S*P completions = that / G prompts x G samples.
-    G, b, GA, mu = rc.num_generations, tc.per_device_train_batch_size, tc.gradient_accumulation_steps, lc.num_iterations
-    S = generation_steps(tc, world)  # train.steps_per_generation (or TRL's generation_batch_size)
-    n = b * S  # completions per round on this rank: rows [rank*n, (rank+1)*n) of the round
-    N = n * world  # completions per round, all ranks (SPEC's P is the rank count, `world` here)
+    geometry = Geometry.of(cfg, world, len(train_set))  # (TRL's max_steps = -1 counts the epochs)
+    G, b, GA, mu, S = geometry.G, geometry.b, geometry.GA, geometry.mu, geometry.S
+    n, N = geometry.completions_per_rank, geometry.completions_per_round  # this rank's and all ranks' rows
     mine = slice(rank * n, (rank + 1) * n)
-    steps_per_round = S * mu // GA
-    max_steps = tc.max_steps if tc.max_steps > 0 else epoch_steps(len(train_set), N // G, steps_per_round,
-                                                                   tc.num_train_epochs)  # TRL's max_steps = -1
+    steps_per_round, max_steps = geometry.steps_per_round, geometry.max_steps
     if main:  # the batch geometry, as TRL's "total train batch size" line gives it
         print(f"{world} rank(s) x {b * S} completions = {N // G} prompts x G={G} per round; micro-batches of {b}, "
               f"an optimizer step every {GA} ({steps_per_round} per round, mu={mu})", flush=True)
@@ -404,9 +403,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         print(f"num_train_epochs = {tc.num_train_epochs}: {len(train_set)} prompts, {len(train_set) // (N // G)} "
               f"whole rounds of {N // G} per pass, {steps_per_round} optimizer step(s) per round: "
               f"max_steps = {max_steps}", flush=True)
-    # After a round's first optimizer step the policy has moved, so its later steps train on samples
-    # from an older policy: the round is off-policy (SPEC 1; validate made S a multiple of GA).
-    off_policy = mu > 1 or S > GA
+    off_policy = geometry.off_policy  # old log-probs need a pass of their own (SPEC 1)
     amp = tc.bf16  # bf16 autocast for the training forward passes, and a bf16 rollout
     loss_options = policy_loss_options(lc)
 

@@ -1,8 +1,9 @@
 """What makes a config one that can run: value ranges, the batch geometry of SPEC section 1, and
 option combinations that conflict (errors) or that TRL also warns about (warnings).
 
-`validate` collects every problem into one ConfigError, so a user fixes a config in one go;
-`load_config` calls it for the world size it is given, and `train()` again for torchrun's.
+`validate` collects every problem into one ConfigError, so a user fixes a config in one go.
+`load_config` calls it for the world size it is given and `train()` for torchrun's; a config it
+has passed for that world size is not checked again, so a loaded config is checked once.
 """
 
 from __future__ import annotations
@@ -14,30 +15,12 @@ import typing
 import warnings
 
 from rlcore import ConfigError, RlcoreWarning
+from rlcore.geometry import Geometry
 from rlcore.rewards import REWARDS
 from rlcore.tasks import TASK_REWARD
 
 if typing.TYPE_CHECKING:
-    from rlcore.config import Config, TrainArgs
-
-
-def generation_steps(t: TrainArgs, world_size: int) -> int:
-    """S, micro-batches per generation round on each rank: train.steps_per_generation, or else
-    train.generation_batch_size / (per_device_train_batch_size * world_size), as TRL resolves it."""
-    if t.steps_per_generation is not None:
-        return t.steps_per_generation
-    return t.generation_batch_size // max(1, t.per_device_train_batch_size * world_size)
-
-
-def epoch_steps(num_prompts: int, prompts_per_round: int, steps_per_round: int, epochs: float) -> int:
-    """Optimizer steps for `epochs` passes over `num_prompts` training prompts, counted as TRL does:
-    ceil(epochs * whole rounds per pass * optimizer steps per round)."""
-    rounds = num_prompts // prompts_per_round
-    if rounds == 0:
-        raise ConfigError(f"train.num_train_epochs: the {num_prompts} training prompts are fewer than one round's "
-                          f"{prompts_per_round} (per_device_train_batch_size * steps_per_generation * world size / "
-                          f"num_generations); add prompts or set train.max_steps")
-    return max(1, math.ceil(epochs * rounds * steps_per_round))
+    from rlcore.config import Config
 
 
 def warn_bf16_weights(config: Config, setting: str) -> None:
@@ -74,51 +57,61 @@ def non_finite(config: Config) -> list[str]:
 
 def validate(config: Config, world_size: int = 1) -> None:
     """Check ranges and batch-size consistency (SPEC section 1); raise one ConfigError listing every problem
-    (NaN and infinite values first, alone: the range checks would misread them)."""
+    (NaN and infinite values first, alone: the range checks would misread them). A config that passed
+    for `world_size` and has not changed since passes again without a second check or warning."""
+    checked = (world_size, dataclasses.asdict(config))
+    if getattr(config, "validated", None) == checked:  # load_config's check, seen again by train()
+        return
     if problems := non_finite(config):
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
     problems = []
-    d, r, lo, t = config.data, config.rollout, config.loss, config.train
+    data, rollout, loss, train = config.data, config.rollout, config.loss, config.train
 
     def need(ok: bool, msg: str):
         if not ok:
             problems.append(msg)
 
-    G, b = r.num_generations, t.per_device_train_batch_size
-    GA, S = t.gradient_accumulation_steps, generation_steps(t, world_size)
-    if t.steps_per_generation is None:  # set by train.generation_batch_size
-        gbs, per_round = t.generation_batch_size, b * world_size
-        if gbs < 1 or per_round < 1 or gbs % per_round:
-            unit = max(1, per_round)
-            near = sorted({max(unit, gbs // unit * unit), (max(0, gbs) // unit + 1) * unit})
-            problems.append(f"train.generation_batch_size = {gbs} must be a positive multiple of "
-                            f"per_device_train_batch_size * world size = {b} * {world_size} = {per_round}; set it "
-                            f"to {' or '.join(map(str, near))}, or leave it unset (= {unit * max(1, GA)}, "
-                            f"steps_per_generation = GA)")
-            S = GA
+    # The batch geometry (SPEC 1): the checks that depend on the world size.
+    geometry = Geometry.of(config, world_size)
+    need(train.generation_batch_size is None or train.steps_per_generation is None,
+         f"train.generation_batch_size = {train.generation_batch_size} and train.steps_per_generation = "
+         f"{train.steps_per_generation} are both set; they say the same thing (generation_batch_size = "
+         f"per_device_train_batch_size * steps_per_generation * world size), keep one (as TRL requires)")
+    if train.steps_per_generation is None:  # set by train.generation_batch_size
+        generation_batch, per_micro_batch = train.generation_batch_size, geometry.b * world_size  # all ranks
+        if generation_batch < 1 or per_micro_batch < 1 or generation_batch % per_micro_batch:
+            unit = max(1, per_micro_batch)
+            near = sorted({max(unit, generation_batch // unit * unit), (max(0, generation_batch) // unit + 1) * unit})
+            problems.append(f"train.generation_batch_size = {generation_batch} must be a positive multiple of "
+                            f"per_device_train_batch_size * world size = {geometry.b} * {world_size} = "
+                            f"{per_micro_batch}; set it to {' or '.join(map(str, near))}, or leave it unset "
+                            f"(= {unit * max(1, geometry.GA)}, steps_per_generation = GA)")
+            geometry = dataclasses.replace(geometry, S=geometry.GA)  # the rest is checked as if it were unset
+    G, b, GA, S = geometry.G, geometry.b, geometry.GA, geometry.S
     need(G >= 2, f"rollout.num_generations = {G} must be >= 2: advantages compare completions "
                  f"of the same prompt; use 8 (TRL's default)")
-    for key, v in (("per_device_train_batch_size", b), ("gradient_accumulation_steps", GA),
-                   ("steps_per_generation", S if S != GA else 1)):  # S = GA when unset: GA's error says it
-        need(v >= 1, f"train.{key} = {v} must be >= 1")
+    for key, value in (("per_device_train_batch_size", b), ("gradient_accumulation_steps", GA),
+                       ("steps_per_generation", S if S != GA else 1)):  # S = GA when unset: GA's error says it
+        need(value >= 1, f"train.{key} = {value} must be >= 1")
     need(world_size >= 1, f"world_size = {world_size} must be >= 1")
     if G >= 2 and b >= 1 and GA >= 1 and S >= 1 and world_size >= 1:
-        gen = b * S * world_size
-        if gen % G:
+        round_size = geometry.completions_per_round
+        if round_size % G:
             step = G // math.gcd(G, S * world_size)
-            bs = sorted({max(step, b // step * step), (b // step + 1) * step})
-            gs = [g for g in range(2, gen + 1) if gen % g == 0]
+            batch_sizes = sorted({max(step, b // step * step), (b // step + 1) * step})
+            group_sizes = [g for g in range(2, round_size + 1) if round_size % g == 0]
             problems.append(
                 f"generation batch = per_device_train_batch_size * steps_per_generation * world_size "
-                f"= {b} * {S} * {world_size} = {gen} completions is not divisible by "
+                f"= {b} * {S} * {world_size} = {round_size} completions is not divisible by "
                 f"rollout.num_generations = {G}, so it cannot hold whole groups of {G}; set "
                 f"train.per_device_train_batch_size to a multiple of {step} (e.g. "
-                f"{' or '.join(map(str, bs))})" + (f" or rollout.num_generations to one of {gs}" if gs else ""))
+                f"{' or '.join(map(str, batch_sizes))})"
+                + (f" or rollout.num_generations to one of {group_sizes}" if group_sizes else ""))
         if S % GA:
             fixes = sorted({GA * max(1, S // GA), GA * (S // GA + 1)})
-            if t.steps_per_generation is None:  # S came from generation_batch_size
-                what = (f"train.generation_batch_size = {t.generation_batch_size} gives steps_per_generation = "
-                        f"{t.generation_batch_size} / ({b} * {world_size}) = {S}, which")
+            if train.steps_per_generation is None:  # S came from generation_batch_size
+                what = (f"train.generation_batch_size = {train.generation_batch_size} gives steps_per_generation = "
+                        f"{train.generation_batch_size} / ({b} * {world_size}) = {S}, which")
                 fix = f"generation_batch_size to {' or '.join(str(f * b * world_size) for f in fixes)}"
             else:
                 what, fix = f"train.steps_per_generation = {S}", f"steps_per_generation to {' or '.join(map(str, fixes))}"
@@ -128,67 +121,67 @@ def validate(config: Config, world_size: int = 1) -> None:
                 f"over the generation batch (steps per round = S * num_iterations / GA); set "
                 f"{fix}, or leave it unset (= GA)")
 
-    need(d.task != "jsonl" or bool(d.path), f"data.task = 'jsonl' needs data.path (now {d.path!r}) "
+    need(data.task != "jsonl" or bool(data.path), f"data.task = 'jsonl' needs data.path (now {data.path!r}) "
          f"to name a JSONL file; --set data.path=/path/to/train.jsonl")
-    need(d.task == "jsonl" or (d.path is None and d.eval_path is None),
-         f"data.path = {d.path!r} / data.eval_path = {d.eval_path!r} are only read when "
-         f"data.task = 'jsonl' (it is {d.task!r}); set data.task = 'jsonl' or remove them")
-    need(d.num_train >= (0 if d.task == "jsonl" else 1),
-         f"data.num_train = {d.num_train} must be >= 1 (0 = all rows, for task jsonl only)")
-    need(d.num_eval >= 0, f"data.num_eval = {d.num_eval} must be >= 0 (0 = no evaluation)")
-    need(d.max_prompt_length >= 1, f"data.max_prompt_length = {d.max_prompt_length} must be >= 1")
+    need(data.task == "jsonl" or (data.path is None and data.eval_path is None),
+         f"data.path = {data.path!r} / data.eval_path = {data.eval_path!r} are only read when "
+         f"data.task = 'jsonl' (it is {data.task!r}); set data.task = 'jsonl' or remove them")
+    need(data.num_train >= (0 if data.task == "jsonl" else 1),
+         f"data.num_train = {data.num_train} must be >= 1 (0 = all rows, for task jsonl only)")
+    need(data.num_eval >= 0, f"data.num_eval = {data.num_eval} must be >= 0 (0 = no evaluation)")
+    need(data.max_prompt_length >= 1, f"data.max_prompt_length = {data.max_prompt_length} must be >= 1")
 
-    need(r.max_completion_length >= 1, f"rollout.max_completion_length = {r.max_completion_length} must be >= 1")
-    need(r.temperature > 0, f"rollout.temperature = {r.temperature} must be > 0 (use a small "
+    need(rollout.max_completion_length >= 1, f"rollout.max_completion_length = {rollout.max_completion_length} must be >= 1")
+    need(rollout.temperature > 0, f"rollout.temperature = {rollout.temperature} must be > 0 (use a small "
          f"value such as 0.1 for near-greedy sampling)")
-    need(0 < r.top_p <= 1, f"rollout.top_p = {r.top_p} must be in (0, 1]; 1.0 = off")
-    need(r.top_k >= 0, f"rollout.top_k = {r.top_k} must be >= 0; 0 = off")
-    need(0 <= r.min_p < 1, f"rollout.min_p = {r.min_p} must be in [0, 1); 0.0 = off")
-    need(r.repetition_penalty > 0, f"rollout.repetition_penalty = {r.repetition_penalty} must be > 0; "
+    need(0 < rollout.top_p <= 1, f"rollout.top_p = {rollout.top_p} must be in (0, 1]; 1.0 = off")
+    need(rollout.top_k >= 0, f"rollout.top_k = {rollout.top_k} must be >= 0; 0 = off")
+    need(0 <= rollout.min_p < 1, f"rollout.min_p = {rollout.min_p} must be in [0, 1); 0.0 = off")
+    need(rollout.repetition_penalty > 0, f"rollout.repetition_penalty = {rollout.repetition_penalty} must be > 0; "
          f"1.0 = off, above 1 (e.g. 1.1) discourages repeats")
-    need(all(r.stop), f"rollout.stop = {r.stop!r} contains an empty string; remove it")
+    need(all(rollout.stop), f"rollout.stop = {rollout.stop!r} contains an empty string; remove it")
 
-    need(lo.beta >= 0, f"loss.beta = {lo.beta} must be >= 0; 0.0 = no KL term")
-    need(lo.off_policy_mask_threshold is None or lo.off_policy_mask_threshold > 0,
-         f"loss.off_policy_mask_threshold = {lo.off_policy_mask_threshold} must be > 0 (e.g. 0.5), or none for off")
+    need(loss.beta >= 0, f"loss.beta = {loss.beta} must be >= 0; 0.0 = no KL term")
+    need(loss.off_policy_mask_threshold is None or loss.off_policy_mask_threshold > 0,
+         f"loss.off_policy_mask_threshold = {loss.off_policy_mask_threshold} must be > 0 (e.g. 0.5), or none for off")
     for name in ("vespo_lambda_pos", "vespo_lambda_neg"):
-        need(getattr(lo, name) > 0, f"loss.{name} = {getattr(lo, name)} must be > 0 (TRL's defaults: 3.0 and 2.0)")
+        need(getattr(loss, name) > 0, f"loss.{name} = {getattr(loss, name)} must be > 0 (TRL's defaults: 3.0 and 2.0)")
     for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
-        need(getattr(lo, name) > 0, f"loss.{name} = {getattr(lo, name)} must be > 0 (TRL's defaults: 1.0 and 1.05)")
-    if lo.sync_ref_model:
-        need(lo.beta != 0, "loss.sync_ref_model = true with loss.beta = 0.0: there is no reference model to "
+        need(getattr(loss, name) > 0, f"loss.{name} = {getattr(loss, name)} must be > 0 (TRL's defaults: 1.0 and 1.05)")
+    if loss.sync_ref_model:
+        need(loss.beta != 0, "loss.sync_ref_model = true with loss.beta = 0.0: there is no reference model to "
              "synchronize; set loss.beta (e.g. 0.04) or loss.sync_ref_model = false")
-        need(0 <= lo.ref_model_mixup_alpha <= 1, f"loss.ref_model_mixup_alpha = {lo.ref_model_mixup_alpha} must be "
+        need(0 <= loss.ref_model_mixup_alpha <= 1, f"loss.ref_model_mixup_alpha = {loss.ref_model_mixup_alpha} must be "
              f"in [0, 1] (TRL's default 0.6)")
-        need(lo.ref_model_sync_steps >= 1, f"loss.ref_model_sync_steps = {lo.ref_model_sync_steps} must be >= 1")
-    if lo.use_adaptive_entropy:
-        need(lo.entropy_coef_delta > 0, f"loss.entropy_coef_delta = {lo.entropy_coef_delta} must be > 0 with "
+        need(loss.ref_model_sync_steps >= 1, f"loss.ref_model_sync_steps = {loss.ref_model_sync_steps} must be >= 1")
+    if loss.use_adaptive_entropy:
+        need(loss.entropy_coef_delta > 0, f"loss.entropy_coef_delta = {loss.entropy_coef_delta} must be > 0 with "
              f"loss.use_adaptive_entropy = true (0.005 is TRL's default)")
-        need(lo.entropy_coef_min <= lo.entropy_coef <= lo.entropy_coef_max,
-             f"loss.entropy_coef = {lo.entropy_coef} must lie in [entropy_coef_min, entropy_coef_max] = "
-             f"[{lo.entropy_coef_min}, {lo.entropy_coef_max}] with loss.use_adaptive_entropy = true; it is "
+        need(loss.entropy_coef_min <= loss.entropy_coef <= loss.entropy_coef_max,
+             f"loss.entropy_coef = {loss.entropy_coef} must lie in [entropy_coef_min, entropy_coef_max] = "
+             f"[{loss.entropy_coef_min}, {loss.entropy_coef_max}] with loss.use_adaptive_entropy = true; it is "
              f"the starting coefficient")
-    need(0 < lo.epsilon < 1, f"loss.epsilon = {lo.epsilon} must be in (0, 1): ratios below 1 - epsilon are "
+    need(0 < loss.epsilon < 1, f"loss.epsilon = {loss.epsilon} must be in (0, 1): ratios below 1 - epsilon are "
          f"clipped (0.2 is the usual value)")
-    need(lo.epsilon_high > 0 or lo.epsilon_high == lo.epsilon,  # when equal, it is epsilon's error
-         f"loss.epsilon_high = {lo.epsilon_high} must be > 0 (DAPO uses 0.28)")
-    need(lo.delta is None or lo.delta > 1, f"loss.delta = {lo.delta} must be > 1 (it caps ratios "
+    need(loss.epsilon_high > 0 or loss.epsilon_high == loss.epsilon,  # when equal, it is epsilon's error
+         f"loss.epsilon_high = {loss.epsilon_high} must be > 0 (DAPO uses 0.28)")
+    need(loss.delta is None or loss.delta > 1, f"loss.delta = {loss.delta} must be > 1 (it caps ratios "
          f"above 1; e.g. 1 + epsilon_high + 0.5), or none to turn it off")
-    need(0 < lo.top_entropy_quantile <= 1, f"loss.top_entropy_quantile = {lo.top_entropy_quantile} "
+    need(0 < loss.top_entropy_quantile <= 1, f"loss.top_entropy_quantile = {loss.top_entropy_quantile} "
          f"must be in (0, 1]; 1.0 = train on all tokens, 0.2 = the top 20% by entropy")
-    need(lo.num_iterations >= 1, f"loss.num_iterations = {lo.num_iterations} must be >= 1")
-    need(0 <= lo.tis_min < lo.tis_max, f"loss.tis_min = {lo.tis_min}, loss.tis_max = {lo.tis_max}: "
+    need(loss.num_iterations >= 1, f"loss.num_iterations = {loss.num_iterations} must be >= 1")
+    need(0 <= loss.tis_min < loss.tis_max, f"loss.tis_min = {loss.tis_min}, loss.tis_max = {loss.tis_max}: "
          f"need 0 <= tis_min < tis_max")
-    need(len(lo.reward_funcs) >= 1, "loss.reward_funcs = [] names no reward function; e.g. "
+    need(len(loss.reward_funcs) >= 1, "loss.reward_funcs = [] names no reward function; e.g. "
          "--set loss.reward_funcs='[\"accuracy\"]'")
-    need(lo.reward_weights is None or len(lo.reward_weights) == len(lo.reward_funcs),
-         f"loss.reward_weights = {lo.reward_weights} has {len(lo.reward_weights or [])} weight(s) but "
-         f"loss.reward_funcs = {lo.reward_funcs} has {len(lo.reward_funcs)} function(s); give one "
+    need(loss.reward_weights is None or len(loss.reward_weights) == len(loss.reward_funcs),
+         f"loss.reward_weights = {loss.reward_weights} has {len(loss.reward_weights or [])} weight(s) but "
+         f"loss.reward_funcs = {loss.reward_funcs} has {len(loss.reward_funcs)} function(s); give one "
          f"weight per function, or none for all 1.0")
-    twice = sorted({name for name in lo.reward_funcs if lo.reward_funcs.count(name) > 1})
+    twice = sorted({name for name in loss.reward_funcs if loss.reward_funcs.count(name) > 1})
     need(not twice, f"loss.reward_funcs lists {twice[0] if twice else ''!r} more than once; its metrics and "
          f"completions.jsonl columns are keyed by name: list it once and weight it with loss.reward_weights")
-    for name in lo.reward_funcs:
+    for name in loss.reward_funcs:
         if ":" not in name and name not in REWARDS:
             close = difflib.get_close_matches(name, REWARDS, n=1)
             model = (" (a Hugging Face model id? rlcore scores with Python functions, not reward models as TRL "
@@ -196,69 +189,69 @@ def validate(config: Config, world_size: int = 1) -> None:
             problems.append(f"loss.reward_funcs has unknown reward {name!r}{model}; built-in rewards are "
                             f"{', '.join(REWARDS)}" + (f" (did you mean {close[0]!r}?)" if close else "")
                             + ", or give your own as 'module:function'")
-    judge = TASK_REWARD[d.task]  # the reward that decides held-out accuracy
-    need(judge == "accuracy" or judge in lo.reward_funcs,
-         f"data.task = {d.task!r} is scored by the {judge!r} reward, but loss.reward_funcs = "
-         f"{lo.reward_funcs}; --set loss.reward_funcs='[\"{judge}\"]'")
-    if d.task == "jsonl" and not d.answer_column:  # no reference answers to compare with
-        need("accuracy" not in lo.reward_funcs,
-             f"loss.reward_funcs = {lo.reward_funcs} has 'accuracy', which compares each completion with its row's "
+    judge = TASK_REWARD[data.task]  # the reward that decides held-out accuracy
+    need(judge == "accuracy" or judge in loss.reward_funcs,
+         f"data.task = {data.task!r} is scored by the {judge!r} reward, but loss.reward_funcs = "
+         f"{loss.reward_funcs}; --set loss.reward_funcs='[\"{judge}\"]'")
+    if data.task == "jsonl" and not data.answer_column:  # no reference answers to compare with
+        need("accuracy" not in loss.reward_funcs,
+             f"loss.reward_funcs = {loss.reward_funcs} has 'accuracy', which compares each completion with its row's "
              f"reference answer, but data.answer_column = '' reads none, so every score would be None and no step "
              "would learn; name the answer column (--set data.answer_column=answer) or score with your own "
              "reward function ('module:function')")
-        if d.num_eval:
+        if data.num_eval:
             warnings.warn("data.answer_column = '': held-out accuracy compares completions with reference answers "
                           "and there are none, so the run has none to report; set data.num_eval = 0 to skip its "
                           "greedy generations (which still give the reward functions' held-out scores)",
                           RlcoreWarning, stacklevel=2)
-    if config.model.ref_path and lo.beta == 0:
+    if config.model.ref_path and loss.beta == 0:
         warnings.warn(f"model.ref_path = {config.model.ref_path!r} is read only when loss.beta != 0, and it is 0.0: "
                       "no reference model and no KL term; set loss.beta (e.g. 0.04) or remove model.ref_path",
                       RlcoreWarning, stacklevel=2)
     if config.model.dtype == "bfloat16":
         warn_bf16_weights(config, "model.dtype = 'bfloat16'")
-    if lo.loss_type == "luspo" and lo.importance_sampling_level != "sequence":
+    if loss.loss_type == "luspo" and loss.importance_sampling_level != "sequence":
         warnings.warn(f"loss.loss_type = 'luspo' with loss.importance_sampling_level = "
-                      f"{lo.importance_sampling_level!r}: LUSPO is GSPO's sequence ratio with a length-unbiased "
+                      f"{loss.importance_sampling_level!r}: LUSPO is GSPO's sequence ratio with a length-unbiased "
                       f"sum; set importance_sampling_level = 'sequence' (TRL warns the same)",
                       RlcoreWarning, stacklevel=2)
-    if lo.policy_loss == "vespo" and lo.importance_sampling_level != "token":
+    if loss.policy_loss == "vespo" and loss.importance_sampling_level != "token":
         warnings.warn(f"loss.policy_loss = 'vespo' with loss.importance_sampling_level = "
-                      f"{lo.importance_sampling_level!r}: VESPO forms its own sequence weight from the token "
+                      f"{loss.importance_sampling_level!r}: VESPO forms its own sequence weight from the token "
                       f"ratios, so the level only changes the ratio of use_bias_correction_kl; leave it at "
                       f"'token' (TRL warns the same)", RlcoreWarning, stacklevel=2)
-    if lo.policy_loss == "ppo" and lo.delta is not None and 1 < lo.delta <= 1 + lo.epsilon_high:
-        bound = 1 + lo.epsilon_high
-        warnings.warn(f"loss.delta = {lo.delta} <= 1 + loss.epsilon_high = {bound:g}: positive-advantage ratios "
-                      f"are capped at delta, as epsilon_high = {lo.delta - 1:g} would, and negative-advantage ones "
+    if loss.policy_loss == "ppo" and loss.delta is not None and 1 < loss.delta <= 1 + loss.epsilon_high:
+        bound = 1 + loss.epsilon_high
+        warnings.warn(f"loss.delta = {loss.delta} <= 1 + loss.epsilon_high = {bound:g}: positive-advantage ratios "
+                      f"are capped at delta, as epsilon_high = {loss.delta - 1:g} would, and negative-advantage ones "
                       f"are held at the clip bound {bound:g}, not at delta; for a dual clip at delta set it above "
                       f"{bound:g} (e.g. 4)", RlcoreWarning, stacklevel=2)
-    if lo.importance_sampling_level != "token" and lo.loss_type not in ("grpo", "luspo"):
-        warnings.warn(f"loss.importance_sampling_level = {lo.importance_sampling_level!r} (GSPO) with loss.loss_type = "
-                      f"{lo.loss_type!r}: the GSPO objective is loss_type = 'grpo' (per-sequence mean)",
+    if loss.importance_sampling_level != "token" and loss.loss_type not in ("grpo", "luspo"):
+        warnings.warn(f"loss.importance_sampling_level = {loss.importance_sampling_level!r} (GSPO) with loss.loss_type = "
+                      f"{loss.loss_type!r}: the GSPO objective is loss_type = 'grpo' (per-sequence mean)",
                       RlcoreWarning, stacklevel=2)
 
-    need(bool(t.output_dir.strip()), f"train.output_dir = {t.output_dir!r} names no directory (an unset shell "
+    need(bool(train.output_dir.strip()), f"train.output_dir = {train.output_dir!r} names no directory (an unset shell "
          f"variable?); the run would write into the current one; give it one, e.g. runs/my-run")
-    need(t.num_completions_to_print is None or t.num_completions_to_print >= 0,
-         f"train.num_completions_to_print = {t.num_completions_to_print} must be >= 0, or none to print all")
-    need(t.save_total_limit is None or t.save_total_limit >= 1,
-         f"train.save_total_limit = {t.save_total_limit} must be >= 1, or none to keep every checkpoint")
-    need(t.max_steps >= 1 or t.max_steps == -1, f"train.max_steps = {t.max_steps} must be >= 1, or -1 to train "
+    need(train.num_completions_to_print is None or train.num_completions_to_print >= 0,
+         f"train.num_completions_to_print = {train.num_completions_to_print} must be >= 0, or none to print all")
+    need(train.save_total_limit is None or train.save_total_limit >= 1,
+         f"train.save_total_limit = {train.save_total_limit} must be >= 1, or none to keep every checkpoint")
+    need(train.max_steps >= 1 or train.max_steps == -1, f"train.max_steps = {train.max_steps} must be >= 1, or -1 to train "
          f"for train.num_train_epochs passes over the prompts")
-    need(t.max_steps != -1 or t.num_train_epochs > 0, f"train.num_train_epochs = {t.num_train_epochs} must be > 0 "
+    need(train.max_steps != -1 or train.num_train_epochs > 0, f"train.num_train_epochs = {train.num_train_epochs} must be > 0 "
          f"(with train.max_steps = -1 it sets the run's length)")
-    need(t.learning_rate >= 0, f"train.learning_rate = {t.learning_rate} must be >= 0")
-    need(0 <= t.warmup_ratio < 1, f"train.warmup_ratio = {t.warmup_ratio} must be in [0, 1)")
-    need(t.warmup_steps >= 0, f"train.warmup_steps = {t.warmup_steps} must be >= 0")
-    need(not (t.warmup_steps and t.warmup_ratio), f"train.warmup_steps = {t.warmup_steps} and "
-         f"train.warmup_ratio = {t.warmup_ratio} are both set; keep one")
+    need(train.learning_rate >= 0, f"train.learning_rate = {train.learning_rate} must be >= 0")
+    need(0 <= train.warmup_ratio < 1, f"train.warmup_ratio = {train.warmup_ratio} must be in [0, 1)")
+    need(train.warmup_steps >= 0, f"train.warmup_steps = {train.warmup_steps} must be >= 0")
+    need(not (train.warmup_steps and train.warmup_ratio), f"train.warmup_steps = {train.warmup_steps} and "
+         f"train.warmup_ratio = {train.warmup_ratio} are both set; keep one")
     allowed = {"cosine": {"num_cycles"}, "cosine_with_min_lr": {"num_cycles", "min_lr", "min_lr_rate"}}
-    extra = set(t.lr_scheduler_kwargs) - allowed.get(t.lr_scheduler_type, set())
-    need(not extra, f"train.lr_scheduler_kwargs = {t.lr_scheduler_kwargs} has {sorted(extra)}, which "
-         f"lr_scheduler_type = {t.lr_scheduler_type!r} does not take; it takes "
-         f"{sorted(allowed.get(t.lr_scheduler_type, [])) or 'none'}")
-    for key, value in t.lr_scheduler_kwargs.items():
+    extra = set(train.lr_scheduler_kwargs) - allowed.get(train.lr_scheduler_type, set())
+    need(not extra, f"train.lr_scheduler_kwargs = {train.lr_scheduler_kwargs} has {sorted(extra)}, which "
+         f"lr_scheduler_type = {train.lr_scheduler_type!r} does not take; it takes "
+         f"{sorted(allowed.get(train.lr_scheduler_type, [])) or 'none'}")
+    for key, value in train.lr_scheduler_kwargs.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             need(False, f"train.lr_scheduler_kwargs.{key} = {value!r} ({type(value).__name__}) must be a finite "
                  f"number, e.g. lr_scheduler_kwargs = {{{key} = {SCHEDULE_EXAMPLE.get(key, 0.5)}}}")
@@ -269,24 +262,25 @@ def validate(config: Config, world_size: int = 1) -> None:
             need(0 <= value <= 1, f"train.lr_scheduler_kwargs.min_lr_rate = {value} must be in [0, 1] (a fraction of "
                  f"train.learning_rate)")
         elif key == "min_lr":
-            need(0 <= value <= t.learning_rate, f"train.lr_scheduler_kwargs.min_lr = {value} must be in "
-                 f"[0, train.learning_rate = {t.learning_rate}]")
-    need(t.lr_scheduler_type != "cosine_with_min_lr" or len({"min_lr", "min_lr_rate"} & set(t.lr_scheduler_kwargs)) == 1,
+            need(0 <= value <= train.learning_rate, f"train.lr_scheduler_kwargs.min_lr = {value} must be in "
+                 f"[0, train.learning_rate = {train.learning_rate}]")
+    need(train.lr_scheduler_type != "cosine_with_min_lr" or len({"min_lr", "min_lr_rate"} & set(train.lr_scheduler_kwargs)) == 1,
          f"train.lr_scheduler_type = 'cosine_with_min_lr' needs exactly one of min_lr (a rate) or min_lr_rate (a "
-         f"fraction of learning_rate) in train.lr_scheduler_kwargs, got {t.lr_scheduler_kwargs}; e.g. "
+         f"fraction of learning_rate) in train.lr_scheduler_kwargs, got {train.lr_scheduler_kwargs}; e.g. "
          f"lr_scheduler_kwargs = {{min_lr_rate = 0.1}}")
-    need(t.lr_scheduler_type != "constant" or not (t.warmup_steps or t.warmup_ratio),
-         f"train.lr_scheduler_type = 'constant' has no warmup, but warmup_steps = {t.warmup_steps} / "
-         f"warmup_ratio = {t.warmup_ratio}; set train.lr_scheduler_type to 'constant_with_warmup', 'cosine' "
+    need(train.lr_scheduler_type != "constant" or not (train.warmup_steps or train.warmup_ratio),
+         f"train.lr_scheduler_type = 'constant' has no warmup, but warmup_steps = {train.warmup_steps} / "
+         f"warmup_ratio = {train.warmup_ratio}; set train.lr_scheduler_type to 'constant_with_warmup', 'cosine' "
          f"or 'linear' (TRL's default; rlcore's is 'constant')")
-    need(t.weight_decay >= 0, f"train.weight_decay = {t.weight_decay} must be >= 0")
-    need(0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1, f"train.adam_beta1 = {t.adam_beta1}, "
-         f"train.adam_beta2 = {t.adam_beta2} must be in [0, 1)")
-    need(t.adam_epsilon > 0, f"train.adam_epsilon = {t.adam_epsilon} must be > 0")
-    need(t.max_grad_norm >= 0, f"train.max_grad_norm = {t.max_grad_norm} must be >= 0; 0.0 = no clipping")
+    need(train.weight_decay >= 0, f"train.weight_decay = {train.weight_decay} must be >= 0")
+    need(0 <= train.adam_beta1 < 1 and 0 <= train.adam_beta2 < 1, f"train.adam_beta1 = {train.adam_beta1}, "
+         f"train.adam_beta2 = {train.adam_beta2} must be in [0, 1)")
+    need(train.adam_epsilon > 0, f"train.adam_epsilon = {train.adam_epsilon} must be > 0")
+    need(train.max_grad_norm >= 0, f"train.max_grad_norm = {train.max_grad_norm} must be >= 0; 0.0 = no clipping")
     for key in ("logging_steps", "max_nonfinite_steps", "eval_max_completion_length"):
-        need(getattr(t, key) >= 1, f"train.{key} = {getattr(t, key)} must be >= 1")
+        need(getattr(train, key) >= 1, f"train.{key} = {getattr(train, key)} must be >= 1")
     for key in ("eval_steps", "save_steps"):
-        need(getattr(t, key) >= 0, f"train.{key} = {getattr(t, key)} must be >= 0; 0 = only at the end")
+        need(getattr(train, key) >= 0, f"train.{key} = {getattr(train, key)} must be >= 0; 0 = only at the end")
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+    config.validated = checked  # not a field: the world size and values this config passed for

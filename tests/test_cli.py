@@ -32,7 +32,7 @@ def test_cli_last_line_reports_held_out_accuracy_before_and_after(tmp_path, caps
 
 
 def test_cli_options_prints_every_option_and_train_help_points_to_it(capsys):
-    from rlcore.config import options_table
+    from rlcore.options import options_table
 
     assert main(["options"]) == 0
     assert capsys.readouterr().out.strip() == options_table().strip()
@@ -116,7 +116,8 @@ def test_cli_resume_keeps_the_embedded_model_its_data_seed_built(tmp_path, capsy
 def test_cli_resume_with_other_data_says_what_changed(tmp_path, capsys, monkeypatch):
     """Another data.path / seed / num_train on --resume (was silent): the checkpoint's data position
     counts rows of the old order, and the held-out set is drawn again."""
-    from rlcore.config import DataArgs, changed_data
+    from rlcore.config import changed_data
+    from rlcore.options import DataArgs
 
     run = tmp_path / "run"
     assert main(cli_args(run, "train.max_steps=1")) == 0
@@ -229,7 +230,7 @@ def test_cli_without_a_config_naming_a_model_takes_rlcores_defaults(tmp_path, ca
     """The embedded default run's recipe (4-token completions, lr 1e-4) is for its tiny model: a
     --set that names another model runs on the dataclass defaults (TRL's values), and says so."""
     import rlcore.train
-    from rlcore.config import RolloutArgs, TrainArgs
+    from rlcore.options import RolloutArgs, TrainArgs
 
     seen = []
     monkeypatch.setattr(rlcore.train, "train", lambda cfg, resume=None: seen.append(cfg) or {"before": 0, "after": 0})

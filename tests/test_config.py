@@ -13,8 +13,8 @@ import pytest
 
 from rlcore import EMBEDDED_DEFAULT, RlcoreWarning
 from rlcore.checkpoint import RUN_CONFIG_HEADER
-from rlcore.config import (SECTIONS, Config, ConfigError, config_to_dict, dump_config, field_docs,
-                           load_config, options_table, parse_override)
+from rlcore.config import Config, ConfigError, config_to_dict, dump_config, load_config, parse_override
+from rlcore.options import SECTIONS, field_docs, options_table
 from rlcore.validation import validate
 
 if sys.version_info >= (3, 11):
@@ -95,7 +95,7 @@ def test_steps_per_generation_defaults_to_gradient_accumulation_steps():
 
 def test_generation_batch_size_sets_steps_per_generation_for_the_world_size():
     """TRL's rule: steps_per_generation = generation_batch_size / (per_device_train_batch_size * ranks)."""
-    from rlcore.validation import generation_steps
+    from rlcore.geometry import generation_steps
 
     base = ["train.per_device_train_batch_size=8", "train.gradient_accumulation_steps=2", "rollout.num_generations=4"]
     c = load_config(None, [*base, "generation_batch_size=32"])
@@ -133,7 +133,7 @@ def test_num_train_epochs_without_max_steps_means_count_the_epochs(tmp_path):
 
 
 def test_epoch_steps_counts_whole_rounds_as_trl_does():
-    from rlcore.validation import epoch_steps
+    from rlcore.geometry import epoch_steps
 
     assert epoch_steps(256, 4, 1, 1.0) == 64
     assert epoch_steps(21, 2, 2, 1.5) == 30    # 10 whole rounds (the 21st prompt is dropped), 2 steps each
@@ -338,12 +338,13 @@ def test_every_option_of_trl_grpo_config_is_an_rlcore_option_or_explained():
     """TRL 1.16's GRPOConfig (with transformers' TrainingArguments) as the reference: no name of it
     is an "unknown config key" in rlcore."""
     trl = pytest.importorskip("trl", reason="TRL is the reference")
-    from rlcore import trl_options
-    from rlcore.config import FLAT_ALIASES, _owners
+    from rlcore import trl_compat
+    from rlcore.options import sections_with
+    from rlcore.trl_compat import FLAT_ALIASES
 
     names = [f.name for f in dataclasses.fields(trl.GRPOConfig)]
     assert len(names) > 150
-    unknown = [n for n in names if not (_owners(n) or n in FLAT_ALIASES or trl_options.explain(n, None) is not None)]
+    unknown = [n for n in names if not (sections_with(n) or n in FLAT_ALIASES or trl_compat.explain(n, None) is not None)]
     assert unknown == []
 
 
@@ -382,7 +383,7 @@ def test_the_trl_table_names_only_trl_options_rlcore_lacks():
     """Every name in it is a field of TRL's GRPOConfig (a typo there would never match), and none
     is an rlcore field (it would never be consulted)."""
     trl = pytest.importorskip("trl")
-    from rlcore.trl_options import LOSS_TYPES, TRL_ONLY
+    from rlcore.trl_compat import LOSS_TYPES, TRL_ONLY
 
     theirs = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
     ours = {f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
@@ -912,14 +913,14 @@ def test_bf16_weights_warn_that_small_updates_are_lost():
 
 
 def test_the_configs_policy_loss_names_are_the_loss_zoos():
-    from rlcore.config import LossArgs
+    from rlcore.options import LossArgs
     from rlcore.losses.policy import LOSSES
 
     assert typing.get_args(typing.get_type_hints(LossArgs)["policy_loss"]) == LOSSES
 
 
 def test_the_task_choices_are_the_tasks_there_are():
-    from rlcore.config import DataArgs
+    from rlcore.options import DataArgs
     from rlcore.tasks import TASK_REWARD, TASKS
 
     assert typing.get_args(typing.get_type_hints(DataArgs)["task"]) == (*TASKS, "jsonl")

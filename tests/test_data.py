@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from rlcore import RlcoreWarning
-from rlcore.config import DataArgs
 from rlcore.data import DataError, encode_prompts, format_prompt, load_examples, load_jsonl
+from rlcore.options import DataArgs
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")

@@ -250,7 +250,7 @@ def test_weight_decay_skips_the_parameters_transformers_trainer_skips(family, hf
     (Qwen2's q/k/v), not norm weights (Qwen3's q_norm / k_norm too); the embedding and matrices."""
     from transformers import Trainer
 
-    from rlcore.config import TrainArgs
+    from rlcore.options import TrainArgs
     from rlcore.train import adamw
 
     path, hf = hf_checkpoint(family)
@@ -310,7 +310,7 @@ def test_num_train_epochs_gives_the_steps_trl_trains_for(prompts, b, ga, spg, mu
     trl = pytest.importorskip("trl", reason="TRL is the reference")
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from rlcore.validation import epoch_steps, generation_steps
+    from rlcore.geometry import epoch_steps, generation_steps
 
     G = 4
     args = trl.GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=b, gradient_accumulation_steps=ga,

@@ -271,7 +271,7 @@ def test_policy_loss_options_fill_every_option_of_policy_loss():
     import dataclasses
     import inspect
 
-    from rlcore.config import LossArgs
+    from rlcore.options import LossArgs
     from rlcore.losses.policy import policy_loss
 
     tensors = {"logp", "old", "advantages", "mask", "ref", "tis_weights", "entropy", "entropy_keep", "samp"}

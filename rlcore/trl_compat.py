@@ -1,16 +1,38 @@
-"""TRL option names rlcore has no field for, and what a config that sets one gets.
+"""TRL compatibility: what a config written for TRL's `GRPOConfig` means in rlcore.
 
 rlcore's options are TRL's `GRPOConfig` names (and the `TrainingArguments` ones a GRPO run sets),
-so a TRL config mostly loads as it is. The names below are TRL's without an rlcore field. A value
-that changes nothing about how rlcore trains (`report_to = "none"`, `use_vllm = false`, a
+so a TRL config mostly loads as it is; rlcore/config.py reads TRL's flat keys (`beta = 0.04` at
+the top level) into the one section that has the field. This module holds the rest: TRL's other
+names for rlcore fields (`FLAT_ALIASES`, `rlcore_field`), the tables TRL takes whole
+(`generation_kwargs`, `model_init_kwargs`), the `loss_type` values that are a policy loss in
+rlcore (`LOSS_TYPES`), and the TRL names without an rlcore field (`TRL_ONLY`). A value of one of
+those that changes nothing about how rlcore trains (`report_to = "none"`, `use_vllm = false`, a
 `vllm_*` server setting) is dropped with a warning that says why; any other value is a
-`ConfigError` that says what to set instead. Without this table they would be "unknown config
+`ConfigError` that says what to set instead. Without that table they would be "unknown config
 key" errors with a spelling hint that points at an unrelated option. `FOREIGN` does the same for
 names users bring from verl and Unsloth: their "unknown config key" error names rlcore's
-equivalent, or why there is none.
+equivalent, or why there is none. `TRL_DEFAULTS` names rlcore defaults that are not TRL's, which
+a file in TRL's flat keys is warned about.
 """
 
 from __future__ import annotations
+
+import typing
+import warnings
+
+from rlcore import ConfigError, RlcoreWarning
+
+if typing.TYPE_CHECKING:
+    from rlcore.config import Config
+
+# Top-level keys that are not a field name of exactly one section: TRL names and the shared seed.
+FLAT_ALIASES = {"seed": ("train", "seed"), "model_name_or_path": ("model", "path"),
+                "activation_checkpointing": ("train", "gradient_checkpointing")}  # transformers 5's name
+
+GENERATION_KWARGS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_completion_length",
+                     "max_tokens": "max_completion_length", "stop_strings": "stop", "stop": "stop"}
+"""generation_kwargs keys (transformers' GenerationConfig and vLLM's SamplingParams names) -> rollout fields."""
 
 ANY = object()  # every value is harmless: warn and drop
 # for the options that pick a best checkpoint
@@ -226,3 +248,75 @@ def explain(key: str, value) -> tuple[bool, str] | None:
     settable = [v for v in harmless if v not in (None, "")]  # what TOML and --set can write
     keep = f" or set it to {' or '.join(map(repr, settable))}" if settable else ""
     return False, f"TRL's {key} = {value!r} is not an rlcore option: {why}; leave it out{keep}"
+
+
+def rlcore_field(section: str, key: str, value, values: dict) -> str:
+    """The field that `key` (= `value`, in `section`, beside its other keys `values`) sets: the
+    field of TRL's alias, warmup_ratio for a fraction in warmup_steps (as transformers 5 writes a
+    warmup ratio), else `key` itself."""
+    if section == "train" and key == "warmup_steps" and isinstance(value, float) and 0 < value < 1:
+        if "warmup_ratio" in values:
+            raise ConfigError(f"train.warmup_steps = {value} (a ratio, as transformers 5 writes one) "
+                              f"and train.warmup_ratio = {values['warmup_ratio']} are both set; keep one")
+        return "warmup_ratio"
+    if FLAT_ALIASES.get(key, (None,))[0] == section:  # a TRL name inside its section
+        return FLAT_ALIASES[key][1]
+    return key
+
+
+def expand_loss_type(layer: dict) -> None:
+    """TRL's loss_type = 'cispo' / 'sapo' / 'vespo' names a policy loss and, implicitly, TRL's
+    aggregation of it: one config layer (a file, or the --set overrides) that gives it sets
+    loss.policy_loss and loss.loss_type, as TRL would compute that loss."""
+    loss = layer.get("loss", {})
+    name = loss.get("loss_type")
+    if not isinstance(name, str) or name not in LOSS_TYPES:
+        return
+    policy, aggregation = LOSS_TYPES[name]
+    if loss.get("policy_loss", policy) != policy:
+        raise ConfigError(f"loss.loss_type = {name!r} (TRL's name for loss.policy_loss = {policy!r} with "
+                          f"loss.loss_type = {aggregation!r}) and loss.policy_loss = {loss['policy_loss']!r} "
+                          f"disagree; keep one")
+    loss["policy_loss"], loss["loss_type"] = policy, aggregation
+
+
+def expand_tables(out: dict) -> None:
+    """TRL's generation_kwargs (sampling settings, which win over the named options, as in TRL) and
+    model_init_kwargs (how from_pretrained loads the policy) become the rlcore options they set."""
+    for section in list(out):
+        kwargs = out[section].pop("generation_kwargs", None)
+        if isinstance(kwargs, dict):
+            for key, value in kwargs.items():
+                if key not in GENERATION_KWARGS:
+                    raise ConfigError(f"generation_kwargs key {key!r} (= {value!r}) has no rlcore equivalent; rlcore's "
+                                      f"rollout takes {', '.join(GENERATION_KWARGS)}; set the others' effect some "
+                                      f"other way or leave them out")
+                out.setdefault("rollout", {})[GENERATION_KWARGS[key]] = value
+        elif kwargs is not None:
+            out[section]["generation_kwargs"] = kwargs  # not a table: Config.from_dict names the problem
+        kwargs = out[section].pop("model_init_kwargs", None)
+        if isinstance(kwargs, dict):
+            for key, value in kwargs.items():
+                if key in ("dtype", "torch_dtype"):
+                    out.setdefault("model", {})["dtype"] = value
+                elif key in ("attn_implementation", "use_cache", "low_cpu_mem_usage"):
+                    warnings.warn(f"TRL's model_init_kwargs {key} = {value!r} is ignored: rlcore's model code "
+                                  f"attends with torch's SDPA and loads weights itself", RlcoreWarning, stacklevel=3)
+                else:
+                    raise ConfigError(f"model_init_kwargs key {key!r} (= {value!r}) has no rlcore equivalent; "
+                                      f"rlcore takes dtype (or torch_dtype), as model.dtype")
+        elif kwargs is not None:
+            out[section]["model_init_kwargs"] = kwargs
+
+
+def warn_trl_defaults(config: Config, path: str, given: set[tuple[str, str]]) -> None:
+    """Warn about the options of `TRL_DEFAULTS` that a file written in TRL's flat keys
+    that names a model (`path`) and the overrides (`given`, with the file's) leave to rlcore's
+    default, which is not TRL's: such a file trains as TRL would only with them set."""
+    unset = [f"{key} = {value!r} (TRL: {trl!r})" for (section, key), trl in TRL_DEFAULTS.items()
+             if (section, key) not in given and (value := getattr(getattr(config, section), key)) != trl
+             and (key != "use_bias_correction_kl" or config.loss.beta != 0)]
+    if unset:
+        warnings.warn(f"config file {path} is written in TRL's flat keys but leaves options unset whose value "
+                      f"here is not TRL's default: {', '.join(unset)}; set them in the file to train as TRL would "
+                      "(README, 'Defaults that differ from TRL 1.16's')", RlcoreWarning, stacklevel=3)

@@ -1,0 +1,412 @@
+"""Every option rlcore takes: the five sections of a config as dataclasses, with their defaults
+and one docstring line per field, and the types their values may take.
+
+Option names are TRL `GRPOConfig`'s wherever TRL has the option, so a TRL config carries across
+(rlcore/trl_compat.py maps the rest). Each field's docstring is the string on the line after it;
+`field_docs` reads them back, so `rlcore options` and the documented table come from this file.
+The defaults here are rlcore's only ones: rlcore/config.py fills in those that depend on another
+field, and rlcore/default.toml is the embedded tiny model's run, a config file laid over them.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import math
+import sys
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rlcore import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10
+    import tomli as tomllib
+
+
+@dataclass
+class ModelArgs:
+    path: str = ""
+    """Hugging Face checkpoint dir (config.json, *.safetensors, tokenizer); "" or "embedded" = the embedded tiny model"""
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+    """dtype of the policy's (and reference's) weights; 'auto' = the checkpoint's; for mixed precision: train.bf16"""
+    ref_path: str | None = None
+    """checkpoint for the reference model (read only when loss.beta != 0); None = the initial policy"""
+
+
+@dataclass
+class DataArgs:
+    task: Literal["arithmetic", "countdown", "jsonl"] = "arithmetic"
+    """prompts: a synthetic task generated in-process, or a JSONL file (data.path)"""
+    path: str | None = None
+    """JSONL file with one example per line (task "jsonl" only)"""
+    eval_path: str | None = None
+    """JSONL file for evaluation (task "jsonl"), its first num_eval rows; None = num_eval rows held out of data.path"""
+    prompt_column: str = "prompt"
+    """JSONL column with the prompt: a string, or a list of chat messages (content: text, or a list of text parts)"""
+    answer_column: str = "answer"
+    """JSONL column with the reference answer the accuracy reward reads ("" = none); "... #### 42" counts as 42"""
+    num_train: int = 1000
+    """training examples (synthetic: generated; jsonl: at most this many rows, 0 = all)"""
+    num_eval: int = 32
+    """held-out evaluation examples, never in the training set (0 = no evaluation)"""
+    seed: int = 0
+    """seed for generating and splitting the data; kept apart from train.seed so the eval set stays fixed"""
+    system_prompt: str | None = None
+    """system message put before every prompt; None = no system message"""
+    use_chat_template: bool = True
+    """format prompts with the tokenizer's chat template when it has one"""
+    chat_template_kwargs: dict[str, str | int | float | bool] = field(default_factory=dict)
+    """extra variables for the chat template, e.g. {enable_thinking = false} for Qwen3 (TRL's option)"""
+    max_prompt_length: int = 512
+    """longest prompt in tokens, after formatting; a longer prompt is an error that names it"""
+
+
+@dataclass
+class RolloutArgs:
+    num_generations: int = 8
+    """G: completions sampled per prompt; advantages are relative to these (>= 2)"""
+    max_completion_length: int = 512
+    """most tokens generated per completion; one that reaches it without EOS is truncated"""
+    temperature: float = 1.0
+    """sampling temperature; training log-probs use the same temperature"""
+    top_p: float = 1.0
+    """nucleus sampling: keep the smallest token set with this much probability (1.0 = off)"""
+    top_k: int = 0
+    """keep only the k most likely tokens (0 = off)"""
+    min_p: float = 0.0
+    """drop tokens less likely than min_p times the most likely one (0.0 = off)"""
+    repetition_penalty: float = 1.0
+    """transformers' penalty on tokens already in prompt or completion: logit / this if > 0, else * this (1.0 = off)"""
+    stop: list[str] = field(default_factory=list)
+    """strings that end a completion (held-out ones too), besides EOS (matched on each string's own token ids)"""
+    seed: int | None = None
+    """sampling seed; None = train.seed"""
+
+
+@dataclass
+class LossArgs:
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "luspo"] = "dapo"
+    """how per-token losses are averaged over an optimizer step (SPEC section 5)"""
+    policy_loss: Literal["ppo", "cispo", "sapo", "vespo"] = "ppo"
+    """per-token policy loss: PPO clipped ratio, CISPO (clipped IS weight), SAPO (soft gate), VESPO (gamma weight)"""
+    sapo_temperature_pos: float = 1.0
+    """sapo: gate temperature for tokens with positive advantage"""
+    sapo_temperature_neg: float = 1.05
+    """sapo: gate temperature for tokens with negative advantage"""
+    vespo_k_pos: float = 2.0
+    """vespo: shape k of the sequence weight for advantages >= 0"""
+    vespo_lambda_pos: float = 3.0
+    """vespo: rate lambda of the sequence weight for advantages >= 0"""
+    vespo_k_neg: float = 3.0
+    """vespo: shape k of the sequence weight for negative advantages"""
+    vespo_lambda_neg: float = 2.0
+    """vespo: rate lambda of the sequence weight for negative advantages"""
+    beta: float = 0.0
+    """KL coefficient against the reference model (k3 estimator); 0.0 loads no reference model"""
+    use_bias_correction_kl: bool = False
+    """multiply the KL term by the importance ratio, as TRL does by default (false: k3 alone, SPEC 4)"""
+    sync_ref_model: bool = False
+    """TR-DPO: every ref_model_sync_steps steps, ref = alpha x policy + (1 - alpha) x ref (needs beta != 0)"""
+    ref_model_mixup_alpha: float = 0.6
+    """sync_ref_model's alpha: the policy's share of the new reference weights"""
+    ref_model_sync_steps: int = 512
+    """sync_ref_model: optimizer steps between two syncs of the reference model"""
+    epsilon: float = 0.2
+    """lower clip range: ratios below 1 - epsilon are clipped"""
+    epsilon_high: float | None = None
+    """upper clip range, 1 + epsilon_high (DAPO: 0.28; cispo: absolute cap, e.g. 5.0); None = epsilon"""
+    delta: float | None = None
+    """cap on the unclipped ratio (two-sided clipping, > 1 + epsilon_high recommended); None = off"""
+    importance_sampling_level: Literal["token", "sequence", "sequence_token"] = "token"
+    """ratio per token, per sequence (GSPO), or sequence value with per-token gradient (GSPO-token)"""
+    scale_rewards: Literal["group", "batch", "none"] | bool = "group"
+    """divide advantages by the group std, the batch std, or not at all (Dr. GRPO); true = group, false = none"""
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """several reward functions: weight and sum, then normalise per group (SPEC 2), or normalise each per group first (GDPO)"""
+    mask_truncated_completions: bool = False
+    """exclude completions that hit max_completion_length without EOS from the loss"""
+    top_entropy_quantile: float = 1.0
+    """train only on the tokens in this top fraction of entropy (1.0 = all tokens)"""
+    off_policy_mask_threshold: float | None = None
+    """DeepSeek-V3.2: drop negative-advantage sequences whose mean KL(rollout || policy) exceeds this (None = off)"""
+    entropy_coef: float = 0.0
+    """entropy bonus: loss -= entropy_coef x mean token entropy (TRL's; same scale for every loss_type; 0.0 = off)"""
+    use_adaptive_entropy: bool = False
+    """adapt entropy_coef each step towards entropy_target (Skywork-OR1); the bonus applies only at or below it"""
+    entropy_target: float = 0.2
+    """adaptive control: the entropy (nats per token) below which the bonus applies and its coefficient grows"""
+    entropy_coef_delta: float = 0.005
+    """adaptive control: how much entropy_coef moves per optimizer step"""
+    entropy_coef_min: float = 0.0
+    """adaptive control: lower bound of entropy_coef"""
+    entropy_coef_max: float = 1.0
+    """adaptive control: upper bound of entropy_coef"""
+    num_iterations: int = 1
+    """mu: passes over each generation batch"""
+    tis_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] | None = None
+    """rollout-vs-trainer importance-sampling correction; None = off"""
+    tis_min: float = 0.0
+    """lower bound on the TIS weight (mask modes zero weights below it)"""
+    tis_max: float = 2.0
+    """upper bound on the TIS weight (truncate modes clamp to it, mask modes zero above it)"""
+    reward_weights: list[float] | None = None
+    """weight of each reward function, same order as reward_funcs; None = all 1.0"""
+    reward_funcs: list[str] = field(default_factory=lambda: ["accuracy"])
+    """reward functions: built-in names (rlcore.rewards.REWARDS) or "module:function" of your own"""
+    reward_on_error: Literal["raise", "none"] = "raise"
+    """a reward function that raises stops the run ("raise") or scores that completion None ("none")"""
+
+
+@dataclass
+class TrainArgs:
+    per_device_train_batch_size: int = 8
+    """b: completions per micro-batch on each device"""
+    gradient_accumulation_steps: int = 1
+    """GA: micro-batches per optimizer step"""
+    steps_per_generation: int | None = None
+    """S: micro-batches per generation round; the round makes b * S * world_size completions; None = GA"""
+    generation_batch_size: int | None = None
+    """TRL's other way to set S: completions per round over all ranks (= b * S * world_size); None = from S"""
+    max_steps: int = 100
+    """optimizer steps to train for; -1 = num_train_epochs passes over the training prompts (TRL's)"""
+    num_train_epochs: float = 3.0
+    """passes over the training prompts when max_steps = -1 (a config giving this without max_steps sets -1)"""
+    learning_rate: float = 1e-6
+    """peak AdamW learning rate"""
+    lr_scheduler_type: Literal["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr"] = "constant"
+    """constant (no warmup), constant_with_warmup, or linear / cosine decay to 0 (to min_lr) after a linear warmup"""
+    lr_scheduler_kwargs: dict[str, float] = field(default_factory=dict)
+    """transformers' schedule arguments: num_cycles (cosine), min_lr or min_lr_rate (cosine_with_min_lr)"""
+    warmup_ratio: float = 0.0
+    """linear warmup over ceil(this fraction of max_steps) steps"""
+    warmup_steps: int = 0
+    """linear warmup over this many optimizer steps: step s < W runs at lr (s+1)/(W+1) (transformers: s/W)"""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay"""
+    adam_beta1: float = 0.9
+    """AdamW beta1"""
+    adam_beta2: float = 0.999
+    """AdamW beta2"""
+    adam_epsilon: float = 1e-8
+    """AdamW epsilon"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm to this (0.0 = no clipping)"""
+    seed: int = 42
+    """seed for the prompt order, the micro-batch shuffle and (by default) sampling"""
+    bf16: bool = False
+    """bfloat16 autocast for the training forward passes and a bf16 rollout (GPU; on CPU it pays only with AMX)"""
+    gradient_checkpointing: bool = False
+    """recompute each layer's activations in backward instead of keeping them (TRL's default is True)"""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """where to run; auto = cuda when available"""
+    output_dir: str = "runs/rlcore"
+    """directory for metrics, checkpoints and the resolved config; "{time}" becomes the start time (with rlcore train)"""
+    logging_steps: int = 1
+    """print a progress line every this many optimizer steps, and at the first and last (metrics.jsonl gets every step)"""
+    log_completions: bool = False
+    """append every completion with its rewards and advantage to completions.jsonl, and print some"""
+    num_completions_to_print: int | None = None
+    """completions of each round log_completions prints (None = all, as TRL)"""
+    eval_steps: int = 0
+    """held-out evaluation every this many steps, at round ends (0 = only before and after training)"""
+    save_steps: int = 0
+    """save a checkpoint every this many optimizer steps (0 = only at the end)"""
+    save_total_limit: int | None = 2
+    """checkpoints kept in output_dir, the newest ones (None = all; TRL's default)"""
+    max_nonfinite_steps: int = 3
+    """stop after this many consecutive steps with a non-finite loss or gradient (they are skipped)"""
+    eval_max_completion_length: int | None = None
+    """most tokens per completion at evaluation (greedy); None = rollout.max_completion_length"""
+
+
+SECTIONS: dict[str, type] = {"model": ModelArgs, "data": DataArgs, "rollout": RolloutArgs,
+                             "loss": LossArgs, "train": TrainArgs}
+
+
+def sections_with(key: str) -> list[str]:
+    """The sections that have a field named `key`."""
+    return [name for name, cls in SECTIONS.items() if key in field_names(cls)]
+
+
+def field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+# ---- values and their types ----
+
+def accepts(hint, value_type: type) -> bool:
+    """Whether a value of `value_type` can be stored in a field annotated `hint` (choices aside)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(accepts(a, value_type) for a in args)
+    if origin is Literal:
+        return any(type(a) is value_type for a in args)
+    if origin is list:
+        return value_type is list
+    if origin is dict:
+        return value_type is dict
+    if hint is float:
+        return value_type in (int, float)
+    return hint is value_type
+
+
+def describe(hint) -> str:
+    """A field's type in words, for errors and the options table ("a float or none")."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("none" if a is type(None) else describe(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is list:
+        return f"a list of {describe(args[0]).split(' ', 1)[1]}s"
+    if origin is dict:
+        return "a table of names to strings, numbers or bools"
+    return {int: "an int", float: "a float", str: "a string", bool: "a bool (true/false)"}[hint]
+
+
+def check_type(key: str, value, hint):
+    """`value` converted for a field annotated `hint` (int -> float, "none" -> None), or ConfigError."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    union = origin in (typing.Union, types.UnionType)
+    if union and type(None) in args and (value is None or str(value).lower() in ("none", "null")):
+        return None
+    base = [a for a in args if a is not type(None)] if union else [hint]
+    for candidate in base:
+        ok, converted = _convert(value, candidate)
+        if ok:
+            return converted
+    for candidate in base:
+        if typing.get_origin(candidate) is Literal and any(type(a) is type(value) for a in typing.get_args(candidate)):
+            choices = typing.get_args(candidate)
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            if key == "train.device" and str(value).lower().startswith("gpu"):
+                close = ["cuda"]  # torch's name for the GPU; difflib would suggest 'cpu'
+            suggestion = f"; did you mean {close[0]!r}?" if close else ""
+            if key == "loss.loss_type" and value in typing.get_args(typing.get_type_hints(LossArgs)["policy_loss"]):
+                suggestion = f"; {value!r} is a policy loss: set loss.policy_loss = {value!r} (loss_type aggregates it)"
+            if key == "loss.loss_type" and str(value).lower() == "gspo":
+                suggestion = ("; GSPO is a sequence-level ratio, not an aggregation: set loss.importance_sampling_level = "
+                        "'sequence' with loss.loss_type = 'grpo' (TRL's GSPO recipe)")
+            also = ", or true / false" if bool in base else ""
+            raise ConfigError(f"{key} = {value!r} is not a valid choice; valid: "
+                              f"{', '.join(repr(c) for c in choices)}{also}{suggestion}")
+    quoted, literal = "", toml_literal(value) if isinstance(value, str) else None
+    if literal is not None and _convert(literal, hint)[0]:
+        quoted = f" (in quotes, {value} is a string in TOML: write {key.split('.')[-1]} = {value})"
+    elif isinstance(value, str) and accepts(hint, float) and (number := _python_float(value)) is not None:
+        quoted = (f" (TOML writes a number with a digit on each side of the point: "
+                  f"{key.split('.')[-1]} = {number!r})")  # .9 and 1. are Python's, not TOML's
+    raise ConfigError(f"{key} = {value!r} has type {type(value).__name__}, expected "
+                      f"{describe(hint)}{quoted}; e.g. {shell_set(f'{key}={_example(hint, key)}')}")
+
+
+def _python_float(text: str) -> float | None:
+    """`text` as Python reads a finite float (".9", "1."), or None."""
+    try:
+        number = float(text)
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _convert(value, hint) -> tuple[bool, object]:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return any(type(a) is type(value) and a == value for a in args), value
+    if origin is list:
+        if not isinstance(value, list):
+            return False, value
+        items = [_convert(v, args[0]) for v in value]
+        return all(ok for ok, _ in items), [v for _, v in items]
+    if origin is dict:
+        scalar = (str, int, float, bool)
+        return isinstance(value, dict) and all(type(v) in scalar for v in value.values()), value
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return True, float(value)
+    return type(value) is hint, value
+
+
+def _example(hint, key: str = "") -> str:
+    """A value for a field annotated `hint`: the default of option `key` ("section.name") when it has
+    one of that type (a learning rate's example is its default, not 0.5), else a placeholder."""
+    section, _, name = key.partition(".")
+    default = next((f.default for f in dataclasses.fields(SECTIONS[section]) if f.name == name), None) \
+        if section in SECTIONS else None
+    if default not in (None, dataclasses.MISSING, "") and not isinstance(default, bool) and _convert(default, hint)[0]:
+        return toml_value(default) if not isinstance(default, str) else default
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return _example(args[0])
+    if origin is Literal:
+        return str(args[0])
+    if origin is list:
+        return "[" + _example(args[0]) + "]" if args[0] is not str else '["a","b"]'
+    if origin is dict:
+        return "{enable_thinking=false}"
+    return {int: "1", float: "0.5", str: "text", bool: "true"}[hint]
+
+
+def toml_literal(raw: str, default=None):
+    """`raw` read as a TOML value (`0.04`, `true`, `["a"]`, `{k = 1}`), or `default` when it is not one."""
+    try:
+        return tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        return default
+
+
+def shell_set(assignment: str) -> str:
+    """`--set key=value` as a shell takes it: quoted when the value holds quotes, brackets or spaces."""
+    return f"--set '{assignment}'" if any(c in assignment for c in "[]{}\"' ") else f"--set {assignment}"
+
+
+def toml_value(value) -> str:
+    """`value` written as TOML (what config.toml records and what an error's `--set` example shows)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return _toml_string(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_toml_string(key)} = {toml_value(item)}" for key, item in value.items()) + "}"
+    return "[" + ", ".join(toml_value(item) for item in value) + "]"
+
+
+def _toml_string(text: str) -> str:
+    escapes = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+    return '"' + "".join(escapes.get(c, c if c.isprintable() else f"\\u{ord(c):04x}") for c in text) + '"'
+
+
+# ---- documentation ----
+
+def field_docs(cls: type) -> dict[str, str]:
+    """`{field: docstring}` for a dataclass whose fields each have a string literal on the next line."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = after.value.value
+    return docs
+
+
+def options_table() -> str:
+    """A Markdown table of every option: key, type, default, description (`rlcore options`, docs)."""
+    rows = ["| option | type | default | description |", "|---|---|---|---|"]
+    for section, cls in SECTIONS.items():
+        docs, hints = field_docs(cls), typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            type_text = describe(hints[f.name]).replace("|", "\\|")
+            rows.append(f"| `{section}.{f.name}` | {type_text} | `{default!r}` | {docs.get(f.name, '')} |")
+    return "\n".join(rows)
