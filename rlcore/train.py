@@ -2,7 +2,7 @@
 
     for each round:
         rollout      G completions for each of b*S*P/G prompts      (rlcore.rollout)
-        rewards      reward functions -> R[N, F]      (rlcore.rewards, losses.score_completions)
+        rewards      reward functions -> R[N, F]                        (rlcore.rewards.score_completions)
         advantages   group-normalised, over the whole round            (rlcore.losses.advantages)
         old / ref    log-probs under no_grad, only when needed          (SPEC 1)
         for replay in range(mu):                                        (mu = num_iterations)
@@ -49,14 +49,14 @@ from rlcore import RlcoreWarning, distributed
 from rlcore.data import encode_prompts, load_examples
 from rlcore.embedded import build_embedded_model, cache_dir_name, why_a_model_of_its_own
 from rlcore.forward import SharedPrompts, completion_logprobs, pack
-from rlcore.losses.advantages import check_reward_funcs, compute_advantages, score_completions, weighted_rewards
+from rlcore.losses.advantages import compute_advantages, weighted_rewards
 from rlcore.losses.aggregate import aggregate_loss
 from rlcore.losses.entropy import EntropyBonus
 from rlcore.losses.metrics import rollout_mismatch
 from rlcore.losses.policy import entropy_mask, mask_truncated, policy_loss, tis_weights
 from rlcore.model import Transformer, mix_into, weight_layout_difference
-from rlcore.rewards import (REWARD_EXTRAS, RewardFunctionError, RewardState, dataset_columns, get_reward_funcs,
-                            reward_extras, reward_inputs)
+from rlcore.rewards import (REWARD_EXTRAS, RewardFunctionError, RewardState, check_reward_funcs, dataset_columns,
+                            get_reward_funcs, reward_extras, reward_inputs, score_completions)
 from rlcore.rollout import Rollout, generate
 from rlcore.runlog import Progress, drop_rows_after, log_completions, log_line, record_eval, reduce_metrics
 from rlcore.tasks import TASK_REWARD, unique_problems

@@ -25,8 +25,8 @@ import torch
 
 from conftest import toml_value
 from rlcore.config import load_config
-from rlcore.losses import EntropyBonus, aggregate_loss, compute_advantages, entropy_mask, policy_loss, score_completions
-from rlcore.rewards import get_reward_funcs
+from rlcore.losses import EntropyBonus, aggregate_loss, compute_advantages, entropy_mask, policy_loss
+from rlcore.rewards import get_reward_funcs, score_completions
 from rlcore.train import policy_loss_options
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -5,7 +5,7 @@ Read in this order: advantages.py (SPEC 2), logprobs.py and policy.py (SPEC 3-4)
 docs/losses.md maps every option to its equation and paper.
 """
 
-from rlcore.losses.advantages import compute_advantages, score_completions
+from rlcore.losses.advantages import compute_advantages
 from rlcore.losses.aggregate import LOSS_TYPES, aggregate_loss
 from rlcore.losses.entropy import EntropyBonus, mean_entropy
 from rlcore.losses.logprobs import token_logprobs
@@ -23,6 +23,6 @@ from rlcore.losses.policy import (
 __all__ = [
     "aggregate_loss", "check_loss_options", "compute_advantages", "entropy_mask", "EntropyBonus",
     "importance_weights", "LOSS_TYPES", "mask_truncated", "masked_mean", "mean_entropy",
-    "off_policy_mask", "policy_loss", "rollout_mismatch", "score_completions", "tis_weights",
+    "off_policy_mask", "policy_loss", "rollout_mismatch", "tis_weights",
     "token_logprobs",
 ]
