@@ -642,7 +642,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                     # 5. Loss: per token (SPEC 3-4), then this micro-batch's share of the step's (SPEC 5).
                     # The entropy mask (an all-gather under torchrun), once for the loss and the bonus.
                     entropy_keep = None if lc.top_entropy_quantile == 1.0 else \
-                        entropy_mask(entropy.detach(), mask[mb], lc.top_entropy_quantile)
+                        entropy_mask(entropy.detach(), mask[mb], lc.top_entropy_quantile,
+                                     functools.partial(distributed.gather_uneven, world=world))
                     # pi_old. On-policy the policy has not moved since it sampled the round, so pi_old is the
                     # current policy: the ratio is 1 in value, the gradient REINFORCE's with the group baseline,
                     # and clip_ratio/* are 0, as expected (SPEC 1).
@@ -685,7 +686,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                 opt.zero_grad(set_to_none=True)
                 lr = opt.param_groups[0]["lr"]  # the rate this step used, before the schedule moves on
                 applied = bonus.applied()  # the coefficient this step used, before adaptation
-                bonus.end_step(world, device)
+                bonus.end_step(functools.partial(distributed.sum_over_ranks, world=world, device=device))
                 with warnings.catch_warnings():  # a skipped step: torch's "scheduler before optimizer" warning
                     warnings.simplefilter("ignore" if not finite else "default", UserWarning)
                     sched.step()

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rlcore import distributed
 from rlcore.losses.aggregate import aggregate_loss
 from rlcore.losses.metrics import rollout_mismatch
 from rlcore.losses.policy import entropy_mask, mask_truncated, policy_loss, tis_weights
@@ -60,7 +61,8 @@ def test_entropy_mask_scales_only_the_policy_term_and_keeps_denominators():
 def _entropy_mask_on_rank(rank, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     entropy = [torch.tensor([[0.1, 0.2, 0.3]]), torch.tensor([[0.4, 0.5, 0.6, 0.7, 0.8]])][rank]
-    kept = entropy_mask(entropy, torch.ones_like(entropy), top_entropy_quantile=0.5)
+    kept = entropy_mask(entropy, torch.ones_like(entropy), top_entropy_quantile=0.5,
+                        gather=lambda x: distributed.gather_uneven(x, 2))
     torch.save(kept, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
 

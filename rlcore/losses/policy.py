@@ -13,8 +13,9 @@ Aggregation over tokens is a separate step: `rlcore.losses.aggregate.aggregate_l
 import math
 import warnings
 
+from collections.abc import Callable
+
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from rlcore import RlcoreWarning
@@ -44,21 +45,6 @@ def importance_weights(logp: Tensor, old: Tensor, mask: Tensor, level: str = "to
     if level == "sequence_token":
         return logp - logp.detach() + w_seq.detach()
     raise ValueError(f"unknown importance_sampling_level {level!r}; valid: {', '.join(LEVELS)}")
-
-
-def _gather_across_ranks(x: Tensor) -> Tensor:
-    """Concatenate the 1-D tensors of all ranks (they may differ in length); x when not distributed."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return x
-    size = torch.tensor([x.numel()], device=x.device)
-    sizes = [torch.empty_like(size) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, size)
-    sizes = [int(s) for s in sizes]  # a sync point: padding needs the longest length on the host
-    padded = x.new_zeros(max(sizes))
-    padded[: x.numel()] = x
-    gathered = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(gathered, padded)
-    return torch.cat([g[:n] for g, n in zip(gathered, sizes)])
 
 
 @torch.no_grad()
@@ -93,17 +79,20 @@ def vespo_weights(advantages: Tensor, log_ratio: Tensor, mask: Tensor, tis_weigh
 
 
 @torch.no_grad()
-def entropy_mask(entropy: Tensor, mask: Tensor, top_entropy_quantile: float) -> Tensor:
+def entropy_mask(entropy: Tensor, mask: Tensor, top_entropy_quantile: float,
+                 gather: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """Keep the top `top_entropy_quantile` fraction of valid tokens by entropy ("Beyond the 80/20
-    rule", 2506.01939): tau = quantile(H over valid tokens of all ranks, 1 - rho); keep H >= tau.
+    rule", 2506.01939): tau = quantile(H over valid tokens, 1 - rho); keep H >= tau.
 
     entropy, mask [B, T] -> float mask [B, T] (0 on padding). rho = 1 keeps every valid token.
+    `gather` concatenates the 1-D tensors of all ranks (`distributed.gather_uneven`), so that tau
+    is the quantile over every rank's tokens; None takes this rank's alone.
     """
     if not 0.0 < top_entropy_quantile <= 1.0:
         raise ValueError(f"top_entropy_quantile must be in (0, 1], got {top_entropy_quantile}")
     valid = mask.bool()
     h = entropy.to(torch.promote_types(entropy.dtype, torch.float32))  # compare in the dtype of tau
-    values = _gather_across_ranks(h[valid])
+    values = h[valid] if gather is None else gather(h[valid])
     if values.numel() == 0:
         return torch.zeros_like(entropy)
     tau = torch.quantile(values, 1.0 - top_entropy_quantile)  # torch.quantile caps input at 2**24
