@@ -17,8 +17,8 @@ The loop's comments `# 1.` to `# 6.` mark these steps (rollout; rewards and adva
 the replay; the loss; the optimizer step's metrics), and eval and checkpoint end each round.
 
 The loop's own flags (off-policy or not, beta, TIS, the entropy bonus, a synced reference) are
-`if`s in `train()`; the loss's options are keywords of `rlcore.losses.policy_loss`, which
-`policy_loss_options` fills from the config. The helpers above `train()` set the run up (device,
+`if`s in `train()`; the loss's options are one `rlcore.losses.PolicyLossOptions`, built from the
+config's [loss] section. The helpers above `train()` set the run up (device,
 optimizer, schedule, models, the resume check) or do one of its passes (the round's prompts,
 evaluation, the old / ref log-probs); none of them decides a step.
 """
@@ -43,7 +43,7 @@ import torch
 from rlcore.checkpoint import (RUN_CONFIG_HEADER, CheckpointError, check_model_dir, check_new_run_dir, checkpoint_step,
                                latest_checkpoint, load_model, load_resumed_model, load_trainer_state, resolve_dtype,
                                resume_command, save_checkpoint)
-from rlcore.config import (EMBEDDED_MODEL_PATHS, Config, LossArgs, TrainArgs, changed_data, dump_config,
+from rlcore.config import (EMBEDDED_MODEL_PATHS, Config, TrainArgs, changed_data, dump_config,
                            embedded_model_name, recorded_model, with_absolute_paths)
 from rlcore import RlcoreWarning, distributed
 from rlcore.data import encode_prompts, load_examples
@@ -52,8 +52,9 @@ from rlcore.forward import SharedPrompts, completion_logprobs, pack
 from rlcore.losses.advantages import compute_advantages, weighted_rewards
 from rlcore.losses.aggregate import aggregate_loss
 from rlcore.losses.entropy import EntropyBonus
+from rlcore.losses.masks import entropy_mask, mask_truncated, tis_weights
 from rlcore.losses.metrics import rollout_mismatch
-from rlcore.losses.policy import entropy_mask, mask_truncated, policy_loss, tis_weights
+from rlcore.losses.policy import PolicyLossOptions, policy_loss
 from rlcore.model import Transformer, mix_into, weight_layout_difference
 from rlcore.rewards import (REWARD_EXTRAS, RewardFunctionError, RewardState, check_reward_funcs, dataset_columns,
                             get_reward_funcs, reward_extras, reward_inputs, score_completions)
@@ -129,19 +130,6 @@ def lr_lambda(cfg: Config, total_steps: int) -> Callable[[int], float]:
         return max(0.0, floor + (1 - floor) * 0.5 * (1.0 + math.cos(math.pi * cycles * 2.0 * progress)))
 
     return f
-
-
-def policy_loss_options(lc: LossArgs) -> dict:
-    """policy_loss's fixed keywords from the config's loss section (SPEC 3-4; the VESPO and
-    off-policy-mask ones go beyond SPEC); the tensors change per micro-batch. A new keyword of
-    policy_loss gets its config field here (a test holds the two to each other)."""
-    return dict(
-        loss=lc.policy_loss, importance_sampling_level=lc.importance_sampling_level, epsilon=lc.epsilon,
-        epsilon_high=lc.epsilon_high, delta=lc.delta, beta=lc.beta, use_bias_correction_kl=lc.use_bias_correction_kl,
-        top_entropy_quantile=lc.top_entropy_quantile, off_policy_mask_threshold=lc.off_policy_mask_threshold,
-        sapo_temperature_pos=lc.sapo_temperature_pos, sapo_temperature_neg=lc.sapo_temperature_neg,
-        vespo_k_pos=lc.vespo_k_pos, vespo_lambda_pos=lc.vespo_lambda_pos, vespo_k_neg=lc.vespo_k_neg,
-        vespo_lambda_neg=lc.vespo_lambda_neg)
 
 
 def clock(device: torch.device) -> float:
@@ -408,7 +396,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
     # from an older policy: the round is off-policy (SPEC 1; validate made S a multiple of GA).
     off_policy = mu > 1 or S > GA
     amp = tc.bf16  # bf16 autocast for the training forward passes, and a bf16 rollout
-    loss_options = policy_loss_options(lc)
+    loss_options = PolicyLossOptions.from_config(lc)
 
     done = checkpoint_step(ck) if ck else 0
     if done >= max_steps:  # a finished run: nothing is evaluated or rewritten
@@ -649,9 +637,9 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                     # and clip_ratio/* are 0, as expected (SPEC 1).
                     old_mb = logp.detach() if old is None else old[mb]
                     per_token, diag = policy_loss(
-                        logp, old_mb, adv[mb], mask[mb],
+                        logp, old_mb, adv[mb], mask[mb], options=loss_options,
                         ref=None if ref_lp is None else ref_lp[mb], tis_weights=None if tis is None else tis[mb],
-                        entropy=entropy.detach(), entropy_keep=entropy_keep, samp=samp[mb], **loss_options)
+                        entropy=entropy.detach(), entropy_keep=entropy_keep, samp=samp[mb])
                     loss = aggregate_loss(per_token, mask[mb], lc.loss_type, gradient_accumulation_steps=GA,
                                           max_completion_length=rc.max_completion_length,
                                           step_tokens=step_tokens, world_size=world)

@@ -86,7 +86,8 @@ def test_adaptive_control_measures_the_entropy_over_the_kept_tokens_not_every_va
     tokens m' = mask * entropy_mask (not the logged `entropy`, over every valid token). Reference: the
     kept tokens picked by hand (the top half of each micro-batch's distinct valid entropies) and
     their mean in plain Python."""
-    from rlcore.losses.policy import entropy_mask, policy_loss
+    from rlcore.losses.masks import entropy_mask
+    from rlcore.losses.policy import policy_loss
 
     micro = [  # (entropy, mask): 6 then 4 valid tokens; the 9s are padding
         (torch.tensor([[0.1, 0.5, 2.0, 9.0], [0.3, 1.5, 2.5, 9.0]]), torch.tensor([[1.0, 1.0, 1.0, 0.0]] * 2)),
