@@ -18,9 +18,9 @@ the replay; the loss; the optimizer step's metrics), and eval and checkpoint end
 
 The loop's own flags (off-policy or not, beta, TIS, the entropy bonus, a synced reference) are
 `if`s in `train()`; the loss's options are one `rlcore.losses.PolicyLossOptions`, built from the
-config's [loss] section. The helpers above `train()` set the run up (device,
-optimizer, schedule, models, the resume check) or do one of its passes (the round's prompts,
-evaluation, the old / ref log-probs); none of them decides a step.
+config's [loss] section. The helpers above `train()` set the run up (device, optimizer, schedule,
+models, the resume check) or do one of its passes (the round's prompts, evaluation, the old / ref
+log-probs); none of them decides a step.
 """
 
 from __future__ import annotations
