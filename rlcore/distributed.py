@@ -75,6 +75,19 @@ def gather_rows(x: torch.Tensor, world: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def gather_uneven(x: torch.Tensor, world: int) -> torch.Tensor:
+    """Concatenate the 1-D tensors of all ranks in rank order, whatever their lengths:
+    `[sum of the lengths]` (the entropy mask's quantile over every rank's valid tokens)."""
+    if world == 1:
+        return x
+    # a sync point: the padding needs the longest length on the host
+    sizes = gather_rows(torch.tensor([x.numel()], device=x.device), world).tolist()
+    padded = x.new_zeros(max(sizes))
+    padded[: x.numel()] = x
+    rows = gather_rows(padded, world).view(world, -1)
+    return torch.cat([row[:n] for row, n in zip(rows, sizes)])
+
+
 def sum_over_ranks(values: list[float], world: int, device: torch.device | None) -> list[float]:
     """Each number summed over ranks, all in one all-reduce (token counts, metric sums)."""
     return _all_reduce(values, world, device, dist.ReduceOp.SUM)

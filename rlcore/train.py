@@ -2,7 +2,7 @@
 
     for each round:
         rollout      G completions for each of b*S*P/G prompts      (rlcore.rollout)
-        rewards      reward functions -> R[N, F]      (rlcore.rewards, losses.score_completions)
+        rewards      reward functions -> R[N, F]                        (rlcore.rewards.score_completions)
         advantages   group-normalised, over the whole round            (rlcore.losses.advantages)
         old / ref    log-probs under no_grad, only when needed          (SPEC 1)
         for replay in range(mu):                                        (mu = num_iterations)
@@ -17,10 +17,10 @@ The loop's comments `# 1.` to `# 6.` mark these steps (rollout; rewards and adva
 the replay; the loss; the optimizer step's metrics), and eval and checkpoint end each round.
 
 The loop's own flags (off-policy or not, beta, TIS, the entropy bonus, a synced reference) are
-`if`s in `train()`; the loss's options are keywords of `rlcore.losses.policy_loss`, which
-`policy_loss_options` fills from the config. The helpers above `train()` set the run up (device,
-optimizer, schedule, models, the resume check) or do one of its passes (the round's prompts,
-evaluation, the old / ref log-probs); none of them decides a step.
+`if`s in `train()`; the loss's options are one `rlcore.losses.PolicyLossOptions`, built from the
+config's [loss] section. The helpers above `train()` set the run up (device, optimizer, schedule,
+models, the resume check) or do one of its passes (the round's prompts, evaluation, the old / ref
+log-probs); none of them decides a step.
 """
 
 from __future__ import annotations
@@ -50,15 +50,16 @@ from rlcore.data import encode_prompts, load_examples
 from rlcore.embedded import build_embedded_model, cache_dir_name, why_a_model_of_its_own
 from rlcore.forward import SharedPrompts, completion_logprobs, pack
 from rlcore.geometry import Geometry
-from rlcore.losses.advantages import check_reward_funcs, compute_advantages, score_completions, weighted_rewards
+from rlcore.losses.advantages import compute_advantages, weighted_rewards
 from rlcore.losses.aggregate import aggregate_loss
 from rlcore.losses.entropy import EntropyBonus
+from rlcore.losses.masks import entropy_mask, mask_truncated, tis_weights
 from rlcore.losses.metrics import rollout_mismatch
-from rlcore.losses.policy import entropy_mask, mask_truncated, policy_loss, tis_weights
+from rlcore.losses.policy import PolicyLossOptions, policy_loss
 from rlcore.model import Transformer, mix_into, weight_layout_difference
-from rlcore.options import LossArgs, TrainArgs
-from rlcore.rewards import (REWARD_EXTRAS, RewardFunctionError, RewardState, dataset_columns, get_reward_funcs,
-                            reward_extras, reward_inputs)
+from rlcore.options import TrainArgs
+from rlcore.rewards import (REWARD_EXTRAS, RewardFunctionError, RewardState, check_reward_funcs, dataset_columns,
+                            get_reward_funcs, reward_extras, reward_inputs, score_completions)
 from rlcore.rollout import Rollout, generate
 from rlcore.runlog import Progress, drop_rows_after, log_completions, log_line, record_eval, reduce_metrics
 from rlcore.tasks import TASK_REWARD, unique_problems
@@ -131,19 +132,6 @@ def lr_lambda(cfg: Config, total_steps: int) -> Callable[[int], float]:
         return max(0.0, floor + (1 - floor) * 0.5 * (1.0 + math.cos(math.pi * cycles * 2.0 * progress)))
 
     return f
-
-
-def policy_loss_options(lc: LossArgs) -> dict:
-    """policy_loss's fixed keywords from the config's loss section (SPEC 3-4; the VESPO and
-    off-policy-mask ones go beyond SPEC); the tensors change per micro-batch. A new keyword of
-    policy_loss gets its config field here (a test holds the two to each other)."""
-    return dict(
-        loss=lc.policy_loss, importance_sampling_level=lc.importance_sampling_level, epsilon=lc.epsilon,
-        epsilon_high=lc.epsilon_high, delta=lc.delta, beta=lc.beta, use_bias_correction_kl=lc.use_bias_correction_kl,
-        top_entropy_quantile=lc.top_entropy_quantile, off_policy_mask_threshold=lc.off_policy_mask_threshold,
-        sapo_temperature_pos=lc.sapo_temperature_pos, sapo_temperature_neg=lc.sapo_temperature_neg,
-        vespo_k_pos=lc.vespo_k_pos, vespo_lambda_pos=lc.vespo_lambda_pos, vespo_k_neg=lc.vespo_k_neg,
-        vespo_lambda_neg=lc.vespo_lambda_neg)
 
 
 def clock(device: torch.device) -> float:
@@ -405,7 +393,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
               f"max_steps = {max_steps}", flush=True)
     off_policy = geometry.off_policy  # old log-probs need a pass of their own (SPEC 1)
     amp = tc.bf16  # bf16 autocast for the training forward passes, and a bf16 rollout
-    loss_options = policy_loss_options(lc)
+    loss_options = PolicyLossOptions.from_config(lc)
 
     done = checkpoint_step(ck) if ck else 0
     if done >= max_steps:  # a finished run: nothing is evaluated or rewritten
@@ -639,15 +627,16 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                     # 5. Loss: per token (SPEC 3-4), then this micro-batch's share of the step's (SPEC 5).
                     # The entropy mask (an all-gather under torchrun), once for the loss and the bonus.
                     entropy_keep = None if lc.top_entropy_quantile == 1.0 else \
-                        entropy_mask(entropy.detach(), mask[mb], lc.top_entropy_quantile)
+                        entropy_mask(entropy.detach(), mask[mb], lc.top_entropy_quantile,
+                                     functools.partial(distributed.gather_uneven, world=world))
                     # pi_old. On-policy the policy has not moved since it sampled the round, so pi_old is the
                     # current policy: the ratio is 1 in value, the gradient REINFORCE's with the group baseline,
                     # and clip_ratio/* are 0, as expected (SPEC 1).
                     old_mb = logp.detach() if old is None else old[mb]
                     per_token, diag = policy_loss(
-                        logp, old_mb, adv[mb], mask[mb],
+                        logp, old_mb, adv[mb], mask[mb], options=loss_options,
                         ref=None if ref_lp is None else ref_lp[mb], tis_weights=None if tis is None else tis[mb],
-                        entropy=entropy.detach(), entropy_keep=entropy_keep, samp=samp[mb], **loss_options)
+                        entropy=entropy.detach(), entropy_keep=entropy_keep, samp=samp[mb])
                     loss = aggregate_loss(per_token, mask[mb], lc.loss_type, gradient_accumulation_steps=GA,
                                           max_completion_length=rc.max_completion_length,
                                           step_tokens=step_tokens, world_size=world)
@@ -682,7 +671,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                 opt.zero_grad(set_to_none=True)
                 lr = opt.param_groups[0]["lr"]  # the rate this step used, before the schedule moves on
                 applied = bonus.applied()  # the coefficient this step used, before adaptation
-                bonus.end_step(world, device)
+                bonus.end_step(functools.partial(distributed.sum_over_ranks, world=world, device=device))
                 with warnings.catch_warnings():  # a skipped step: torch's "scheduler before optimizer" warning
                     warnings.simplefilter("ignore" if not finite else "default", UserWarning)
                     sched.step()

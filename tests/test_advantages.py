@@ -6,8 +6,8 @@ from fractions import Fraction
 import pytest
 import torch
 
-from rlcore.losses.advantages import check_reward_funcs, compute_advantages, score_completions
-from rlcore.rewards import RewardFunctionError
+from rlcore.losses.advantages import compute_advantages
+from rlcore.rewards import RewardFunctionError, check_reward_funcs, score_completions
 
 NAN = float("nan")
 

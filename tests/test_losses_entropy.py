@@ -49,7 +49,7 @@ def test_a_static_coefficient_applies_from_the_first_step_and_never_moves():
     for _ in range(3):
         assert bonus.applied() == 0.05
         assert bonus.term(H_ROWS, MASK, 2).item() == pytest.approx(0.05 * 10 / 4 / 2)
-        bonus.end_step(1, None)
+        bonus.end_step()
     assert EntropyBonus(0.0).enabled is False and EntropyBonus(0.0, adaptive=True).enabled is True
 
 
@@ -67,7 +67,7 @@ def test_adaptive_control_follows_the_token_mean_entropy_of_each_step():
         applied.append(bonus.applied())
         for h in micro:
             bonus.term(h, on, 2)
-        bonus.end_step(1, None)
+        bonus.end_step()
         coefs.append(bonus.coef)
     assert applied == pytest.approx([0.0, 0.0, 0.02, 0.04, 0.04])
     assert coefs == pytest.approx([0.0, 0.02, 0.04, 0.04, 0.02])  # clamped at lo, then at hi
@@ -86,7 +86,8 @@ def test_adaptive_control_measures_the_entropy_over_the_kept_tokens_not_every_va
     tokens m' = mask * entropy_mask (not the logged `entropy`, over every valid token). Reference: the
     kept tokens picked by hand (the top half of each micro-batch's distinct valid entropies) and
     their mean in plain Python."""
-    from rlcore.losses.policy import entropy_mask, policy_loss
+    from rlcore.losses.masks import entropy_mask
+    from rlcore.losses.policy import policy_loss
 
     micro = [  # (entropy, mask): 6 then 4 valid tokens; the 9s are padding
         (torch.tensor([[0.1, 0.5, 2.0, 9.0], [0.3, 1.5, 2.5, 9.0]]), torch.tensor([[1.0, 1.0, 1.0, 0.0]] * 2)),
@@ -105,7 +106,7 @@ def test_adaptive_control_measures_the_entropy_over_the_kept_tokens_not_every_va
         bonus.term(entropy, on, 2)
         zero = torch.zeros_like(entropy)
         logged.append(policy_loss(zero, zero, torch.zeros(len(zero)), mask, entropy=entropy)[1])
-    bonus.end_step(1, None)
+    bonus.end_step()
     assert bonus.last_entropy == pytest.approx(kept_mean, rel=1e-6)
     logged_mean = sum(m["entropy"] * m["tokens"] for m in logged) / sum(m["tokens"] for m in logged)
     assert logged_mean.item() == pytest.approx(all_mean, rel=1e-6)  # the logged `entropy`: every valid token

@@ -8,9 +8,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rlcore import distributed
 from rlcore.losses.aggregate import aggregate_loss
+from rlcore.losses.masks import entropy_mask, mask_truncated, tis_weights
 from rlcore.losses.metrics import rollout_mismatch
-from rlcore.losses.policy import entropy_mask, mask_truncated, policy_loss, tis_weights
+from rlcore.losses.policy import PolicyLossOptions, policy_loss
 
 NAN = float("nan")
 
@@ -42,25 +44,26 @@ def test_entropy_mask_scales_only_the_policy_term_and_keeps_denominators():
     logp = torch.log(torch.tensor([[1.1, 1.2, 0.9, 1.0, 1.05, 1.0]], dtype=torch.float64))
     adv = torch.tensor([1.0], dtype=torch.float64)
     ref = logp + 0.5
-    per_token, metrics = policy_loss(logp, torch.zeros_like(logp), adv, VALID, ref=ref, beta=0.1,
-                                     entropy=ENTROPY, top_entropy_quantile=0.4)
+    per_token, metrics = policy_loss(logp, torch.zeros_like(logp), adv, VALID, options=PolicyLossOptions(beta=0.1),
+                                     ref=ref, entropy=ENTROPY, entropy_keep=entropy_mask(ENTROPY, VALID, 0.4))
     kl = 0.1 * (math.exp(0.5) - 0.5 - 1)
     # kept tokens 2 and 4: l = -r A + kl; the other valid tokens carry only the KL term
     want = [kl, kl, -0.9 + kl, kl, -1.05 + kl]
     assert_close(per_token[0, :5], want)
     assert bnpo(per_token, VALID).item() == pytest.approx(sum(want) / 5)  # 5 valid tokens, not 2
     assert metrics["entropy_mask/kept"].item() == pytest.approx(2 / 5)
-    # a caller that computed the mask already (the loop: once for the loss and the entropy bonus)
+    # the same mask written out (the loop computes it once, for the loss and the entropy bonus)
     keep = torch.tensor([[0.0, 0.0, 1.0, 0.0, 1.0, 0.0]], dtype=torch.float64)
-    given, _ = policy_loss(logp, torch.zeros_like(logp), adv, VALID, ref=ref, beta=0.1,
-                           top_entropy_quantile=0.4, entropy_keep=keep)
+    given, _ = policy_loss(logp, torch.zeros_like(logp), adv, VALID, options=PolicyLossOptions(beta=0.1), ref=ref,
+                           entropy_keep=keep)
     assert_close(given[0, :5], want)
 
 
 def _entropy_mask_on_rank(rank, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     entropy = [torch.tensor([[0.1, 0.2, 0.3]]), torch.tensor([[0.4, 0.5, 0.6, 0.7, 0.8]])][rank]
-    kept = entropy_mask(entropy, torch.ones_like(entropy), top_entropy_quantile=0.5)
+    kept = entropy_mask(entropy, torch.ones_like(entropy), top_entropy_quantile=0.5,
+                        gather=lambda x: distributed.gather_uneven(x, 2))
     torch.save(kept, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
 
@@ -125,8 +128,8 @@ def test_tis_multiplies_the_policy_term_and_zeroed_tokens_stay_in_denominators()
     mask = torch.ones_like(logp)
     weights = torch.tensor([[0.0, 1.5, 2.0]], dtype=torch.float64)  # token 0 masked by TIS
     ref = logp - 0.2
-    per_token, metrics = policy_loss(logp, torch.zeros_like(logp), adv, mask, tis_weights=weights,
-                                     ref=ref, beta=0.1)
+    per_token, metrics = policy_loss(logp, torch.zeros_like(logp), adv, mask, options=PolicyLossOptions(beta=0.1),
+                                     tis_weights=weights, ref=ref)
     kl = 0.1 * (math.exp(-0.2) + 0.2 - 1)  # the KL term is not reweighted
     want = [kl, -0.9 * 1.5 + kl, -1.0 * 2.0 + kl]
     assert_close(per_token[0], want)
@@ -165,5 +168,5 @@ def test_k3_metrics_are_never_negative_for_tiny_log_ratios():
     _, metrics = policy_loss(old.clone(), samp, torch.tensor([1.0, -1.0]), mask)
     assert metrics["kl_old/k3"] >= 0
     # the KL term: with A = 0 the per-token loss is beta * k3(ref - logp), each >= 0
-    loss, _ = policy_loss(old.clone(), old, torch.zeros(2), mask, beta=0.1, ref=-samp)
+    loss, _ = policy_loss(old.clone(), old, torch.zeros(2), mask, options=PolicyLossOptions(beta=0.1), ref=-samp)
     assert (loss >= 0).all(), loss

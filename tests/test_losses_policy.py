@@ -9,7 +9,8 @@ import torch
 
 from rlcore.losses.advantages import compute_advantages
 from rlcore.losses.aggregate import aggregate_loss
-from rlcore.losses.policy import importance_weights, policy_loss
+from rlcore.losses.masks import entropy_mask
+from rlcore.losses.policy import PolicyLossOptions, log_importance_weights, policy_loss
 
 RATIOS = [0.5, 0.9, 1.1, 1.5]
 
@@ -40,21 +41,21 @@ def assert_close(got, want, tol=1e-12):
 
 def test_clipped_loss_values_with_decoupled_epsilons():
     logp, old, adv, mask = setup()
-    loss, _ = policy_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=0.28)
+    loss, _ = policy_loss(logp, old, adv, mask, options=PolicyLossOptions(epsilon=0.2, epsilon_high=0.28))
     # clip(r) = [0.8, 0.9, 1.1, 1.28]; A=+1: -min(r, clip); A=-1: max(r, clip)
     assert_close(loss, [[-0.5, -0.9, -1.1, -1.28], [0.8, 0.9, 1.1, 1.5]])
 
 
 def test_clipped_loss_gradient_vanishes_only_where_the_clip_binds():
     logp, old, adv, mask = setup()
-    loss, _ = policy_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=0.28)
+    loss, _ = policy_loss(logp, old, adv, mask, options=PolicyLossOptions(epsilon=0.2, epsilon_high=0.28))
     # d l / d logp = -A r where the unclipped branch is taken, 0 where the clip binds
     assert_close(grad_of(loss, logp), [[-0.5, -0.9, -1.1, 0.0], [0.0, 0.9, 1.1, 1.5]])
 
 
 def test_clip_fractions_count_tokens_whose_gradient_was_clipped():
     logp, old, adv, mask = setup()
-    _, metrics = policy_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=0.28)
+    _, metrics = policy_loss(logp, old, adv, mask, options=PolicyLossOptions(epsilon=0.2, epsilon_high=0.28))
     assert metrics["clip_ratio/low"].item() == pytest.approx(1 / 8)  # r=0.5 with A<0
     assert metrics["clip_ratio/high"].item() == pytest.approx(1 / 8)  # r=1.5 with A>0
     assert metrics["clip_ratio/region"].item() == pytest.approx(2 / 8)
@@ -63,7 +64,7 @@ def test_clip_fractions_count_tokens_whose_gradient_was_clipped():
 
 def test_epsilon_high_defaults_to_epsilon():
     logp, old, adv, mask = setup()
-    loss, _ = policy_loss(logp, old, adv, mask, epsilon=0.2)
+    loss, _ = policy_loss(logp, old, adv, mask, options=PolicyLossOptions(epsilon=0.2))
     assert_close(loss[0], [-0.5, -0.9, -1.1, -1.2])
 
 
@@ -82,7 +83,7 @@ def test_delta_equals_verl_dual_clip_in_value_and_gradient():
     log_r = (torch.rand(6, 20, generator=gen, dtype=torch.float64) * 3 - 1.5).requires_grad_()
     adv = torch.randn(6, generator=gen, dtype=torch.float64)
     ours, _ = policy_loss(log_r, torch.zeros_like(log_r), adv, torch.ones_like(log_r),
-                          epsilon=0.2, epsilon_high=0.28, delta=3.0)
+                          options=PolicyLossOptions(epsilon=0.2, epsilon_high=0.28, delta=3.0))
     verl = verl_dual_clip(log_r.exp(), adv, 0.2, 0.28, clip_ratio_c=3.0)
     assert_close(ours, verl.detach())
     assert_close(grad_of(ours, log_r), grad_of(verl, log_r))
@@ -98,7 +99,8 @@ def test_delta_equals_verl_dual_clip_in_value_and_gradient():
 ])
 def test_delta_caps_the_unclipped_branch_only(delta, want):
     logp, old, adv, mask = setup([0.5, 1.1, 1.5, 3.0])
-    loss, metrics = policy_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=0.28, delta=delta)
+    loss, metrics = policy_loss(logp, old, adv, mask,
+                                options=PolicyLossOptions(epsilon=0.2, epsilon_high=0.28, delta=delta))
     assert_close(loss, want)
     assert_close(grad_of(loss, logp), [[-0.5, -1.1, 0.0, 0.0], [0.0, 1.1, 0.0, 0.0]])
     assert metrics["delta_bound"].item() == pytest.approx(2 / 8)
@@ -110,7 +112,8 @@ def test_a_delta_at_or_below_one_plus_epsilon_high_is_a_smaller_epsilon_high_and
     # out from their definitions, at ratios around every bound
     logp, old, adv, mask = setup([0.5, 0.9, 1.05, 1.15, 1.2, 1.5, 3.0])  # none on a bound
     for delta in (1.1, 1.28):
-        loss, _ = policy_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=0.28, delta=delta)
+        loss, _ = policy_loss(logp, old, adv, mask,
+                              options=PolicyLossOptions(epsilon=0.2, epsilon_high=0.28, delta=delta))
         r = logp.exp()
         pos = -torch.minimum(r, r.clamp(0.8, delta))  # A = +1
         neg = verl_dual_clip(r, adv, 0.2, 0.28, clip_ratio_c=1.28)
@@ -124,7 +127,7 @@ def test_a_delta_at_or_below_one_plus_epsilon_high_is_a_smaller_epsilon_high_and
 def test_sequence_log_weight_is_masked_mean_of_token_log_ratios():
     logp = torch.tensor([[0.1, 0.3, 5.0], [0.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])  # row 1 fully masked: denominator 1
-    w = importance_weights(logp, torch.zeros_like(logp), mask, level="sequence")
+    w = log_importance_weights(logp, torch.zeros_like(logp), mask, level="sequence")
     assert_close(w, [[0.2], [0.0]], tol=1e-7)
 
 
@@ -135,7 +138,7 @@ def test_gspo_with_grpo_aggregation_is_the_papers_objective():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
     adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
     per_token, _ = policy_loss(log_r, torch.zeros_like(log_r), adv, mask,
-                               importance_sampling_level="sequence", epsilon=0.1)
+                               options=PolicyLossOptions(importance_sampling_level="sequence", epsilon=0.1))
     loss = aggregate_loss(per_token, mask, "grpo", gradient_accumulation_steps=1,
                           max_completion_length=3)
     s = [math.exp(0.2), math.exp(-0.3)]
@@ -150,8 +153,8 @@ def test_gspo_token_has_sequence_value_and_per_token_gradient():
     s = math.exp(-0.3)  # sequence ratio; epsilon=0.5 so nothing clips and l = -s A
 
     def loss_at(level):
-        return lambda x: policy_loss(x, torch.zeros_like(x), adv, mask, epsilon=0.5,
-                                     importance_sampling_level=level)[0][0]
+        return lambda x: policy_loss(x, torch.zeros_like(x), adv, mask,
+                                     options=PolicyLossOptions(epsilon=0.5, importance_sampling_level=level))[0][0]
 
     assert_close(loss_at("sequence_token")(log_r), [-s * -2.0] * 3)
     # d l_t / d logp_t': sequence_token is diagonal (each token its own gradient, -A s);
@@ -175,7 +178,8 @@ def test_gspo_clip_fractions_count_tokens_not_sequences():
     lengths = [4, 3, 1, 3, 0]
     mask = torch.tensor([[1.0] * n + [0.0] * (4 - n) for n in lengths], dtype=torch.float64)
     adv = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0], dtype=torch.float64)
-    _, metrics = policy_loss(log_r, torch.zeros_like(log_r), adv, mask, importance_sampling_level="sequence")
+    _, metrics = policy_loss(log_r, torch.zeros_like(log_r), adv, mask,
+                             options=PolicyLossOptions(importance_sampling_level="sequence"))
     rows = log_r.tolist()
     ratio = [math.exp(sum(rows[i][:n]) / n) if n else 1.0 for i, n in enumerate(lengths)]
     high = [r > 1.2 and a > 0 for r, a in zip(ratio, adv.tolist())]
@@ -198,7 +202,8 @@ def test_cispo_weights_logp_by_the_capped_detached_ratio():
     old = torch.full((1, 3), -1.0, dtype=torch.float64)
     logp = leaf([[math.log(r) - 1.0 for r in ratios]])
     adv = torch.tensor([2.0], dtype=torch.float64)
-    loss, metrics = policy_loss(logp, old, adv, torch.ones_like(logp), loss="cispo", epsilon_high=5.0)
+    loss, metrics = policy_loss(logp, old, adv, torch.ones_like(logp),
+                                options=PolicyLossOptions(policy_loss="cispo", epsilon_high=5.0))
     w = torch.tensor([[0.5, 2.0, 5.0]], dtype=torch.float64)
     assert_close(loss, (-w * 2.0 * logp).detach())
     assert_close(grad_of(loss, logp), -w * 2.0)  # no gradient through the ratio
@@ -210,16 +215,17 @@ def test_cispo_clip_metric_counts_capped_tokens_of_either_advantage_sign():
     # counts A > 0 only); here the capped token has A < 0
     logp = leaf([[math.log(0.5), math.log(6.0)], [math.log(1.0), math.log(1.0)]])
     adv = torch.tensor([-1.0, 1.0], dtype=torch.float64)
-    _, metrics = policy_loss(logp, torch.zeros_like(logp), adv, torch.ones_like(logp), loss="cispo",
-                             epsilon_high=5.0)
+    _, metrics = policy_loss(logp, torch.zeros_like(logp), adv, torch.ones_like(logp),
+                             options=PolicyLossOptions(policy_loss="cispo", epsilon_high=5.0))
     assert metrics["clip_ratio/high"].item() == pytest.approx(1 / 4)
 
 
 @pytest.mark.parametrize("tau_pos, tau_neg", [(1.0, 1.05), (2.0, 0.5)])
 def test_sapo_soft_gate_value_and_gradient(tau_pos, tau_neg):
     logp, old, adv, mask = setup([0.5, 1.5])
-    loss, _ = policy_loss(logp, old, adv, mask, loss="sapo",
-                          sapo_temperature_pos=tau_pos, sapo_temperature_neg=tau_neg)
+    loss, _ = policy_loss(logp, old, adv, mask,
+                          options=PolicyLossOptions(policy_loss="sapo", sapo_temperature_pos=tau_pos,
+                                                    sapo_temperature_neg=tau_neg))
     sig = lambda x: 1 / (1 + math.exp(-x))
     want, want_grad = [], []
     for a, tau in ((1.0, tau_pos), (-1.0, tau_neg)):
@@ -233,21 +239,21 @@ def test_sapo_soft_gate_value_and_gradient(tau_pos, tau_neg):
 # On-policy, zero-signal and all-masked cases --------------------------------------------
 
 @pytest.mark.parametrize("options", [
-    dict(loss="ppo"),
-    dict(loss="ppo", epsilon_high=0.28, delta=4.0),
-    dict(loss="cispo", epsilon_high=5.0),
-    dict(loss="cispo", epsilon_high=0.2),  # the cap binds at r = 1: 0.2 x REINFORCE
-    dict(loss="sapo"),
-    dict(loss="vespo"),
+    PolicyLossOptions(policy_loss="ppo"),
+    PolicyLossOptions(policy_loss="ppo", epsilon_high=0.28, delta=4.0),
+    PolicyLossOptions(policy_loss="cispo", epsilon_high=5.0),
+    PolicyLossOptions(policy_loss="cispo", epsilon_high=0.2),  # the cap binds at r = 1: 0.2 x REINFORCE
+    PolicyLossOptions(policy_loss="sapo"),
+    PolicyLossOptions(policy_loss="vespo"),
 ])
 def test_on_policy_gradient_is_reinforce_with_baseline(options):
     gen = torch.Generator().manual_seed(0)
     logp = (-torch.rand(3, 5, generator=gen, dtype=torch.float64) * 4).requires_grad_()
     adv = torch.randn(3, generator=gen, dtype=torch.float64)
-    loss, metrics = policy_loss(logp, logp.detach(), adv, torch.ones_like(logp), **options)
+    loss, metrics = policy_loss(logp, logp.detach(), adv, torch.ones_like(logp), options=options)
     # REINFORCE with the group baseline folded into A: grad of -A_i log pi(y_it)
     reinforce = torch.autograd.grad((-adv[:, None] * logp).sum(), logp)[0]
-    scale = min(1.0, options["epsilon_high"]) if options["loss"] == "cispo" else 1.0
+    scale = min(1.0, options.epsilon_high) if options.policy_loss == "cispo" else 1.0
     assert_close(grad_of(loss, logp), scale * reinforce)
     if scale == 1.0:  # a cispo cap below 1 caps every token: its clip fraction is 1
         assert all(metrics[k].item() == 0.0 for k in metrics if k.startswith("clip_ratio"))
@@ -255,7 +261,7 @@ def test_on_policy_gradient_is_reinforce_with_baseline(options):
 
 def test_on_policy_ratio_is_exactly_one():
     logp = leaf([[-0.3, -2.0, -7.5]])
-    w = importance_weights(logp, logp.detach(), torch.ones_like(logp))
+    w = log_importance_weights(logp, logp.detach(), torch.ones_like(logp))
     assert w.exp().tolist() == [[1.0, 1.0, 1.0]]
 
 
@@ -264,7 +270,7 @@ def test_zero_std_group_gives_zero_policy_gradient():
     adv, _ = compute_advantages(rewards, num_generations=2)
     logp = leaf([[-0.5, -1.0]] * 4)
     old = logp.detach() + 0.1
-    loss, _ = policy_loss(logp, old, adv.double(), torch.ones_like(logp), beta=0.0)
+    loss, _ = policy_loss(logp, old, adv.double(), torch.ones_like(logp), options=PolicyLossOptions(beta=0.0))
     grad = grad_of(loss, logp)
     assert grad[:2].abs().max().item() == 0.0
     assert grad[2:].abs().min().item() > 0.0
@@ -276,8 +282,8 @@ def test_all_masked_batch_gives_finite_zero_loss(loss_type):
     mask = torch.zeros_like(logp)
     entropy = torch.ones_like(logp)
     per_token, metrics = policy_loss(logp, logp.detach() - 0.3, torch.tensor([1.0, -1.0]), mask,
-                                     ref=logp.detach() + 0.2, beta=0.1, entropy=entropy,
-                                     top_entropy_quantile=0.5, tis_weights=torch.ones_like(logp))
+                                     options=PolicyLossOptions(beta=0.1), ref=logp.detach() + 0.2, entropy=entropy,
+                                     entropy_keep=entropy_mask(entropy, mask, 0.5), tis_weights=torch.ones_like(logp))
     loss = aggregate_loss(per_token, mask, loss_type, gradient_accumulation_steps=2,
                           max_completion_length=2, step_tokens=0)
     loss.backward()
@@ -292,7 +298,8 @@ def test_k3_kl_term_value_and_gradient():
     logp = leaf([[-1.0, -2.0]])
     ref = torch.tensor([[-1.5, -1.0]], dtype=torch.float64)
     adv = torch.zeros(1, dtype=torch.float64)  # isolate the KL term
-    loss, metrics = policy_loss(logp, logp.detach(), adv, torch.ones_like(logp), ref=ref, beta=0.1)
+    loss, metrics = policy_loss(logp, logp.detach(), adv, torch.ones_like(logp), options=PolicyLossOptions(beta=0.1),
+                                ref=ref)
     d = [-0.5, 1.0]  # ref - logp
     assert_close(loss, [[0.1 * (math.exp(x) - x - 1) for x in d]])
     assert_close(grad_of(loss, logp), [[0.1 * (1 - math.exp(x)) for x in d]])
@@ -308,7 +315,8 @@ def test_bias_corrected_kl_term_is_k3_times_the_ratio_value_and_gradient(shift):
     old = logp.detach() - shift
     ref = torch.tensor([[-1.5, -1.0]], dtype=torch.float64)
     adv = torch.zeros(1, dtype=torch.float64)
-    loss, _ = policy_loss(logp, old, adv, torch.ones_like(logp), ref=ref, beta=0.1, use_bias_correction_kl=True)
+    loss, _ = policy_loss(logp, old, adv, torch.ones_like(logp),
+                          options=PolicyLossOptions(beta=0.1, use_bias_correction_kl=True), ref=ref)
     d, r = [-0.5, 1.0], math.exp(shift)
     k3 = [math.exp(x) - x - 1 for x in d]
     assert_close(loss, [[0.1 * k * r for k in k3]])
@@ -319,7 +327,8 @@ def test_kl_ref_metric_is_a_masked_mean():
     logp = leaf([[-1.0, -2.0, -3.0]])
     ref = torch.tensor([[-1.5, -1.0, 5.0]], dtype=torch.float64)  # the third token is padding
     mask = torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float64)
-    _, metrics = policy_loss(logp, logp.detach(), torch.zeros(1, dtype=torch.float64), mask, ref=ref, beta=0.1)
+    _, metrics = policy_loss(logp, logp.detach(), torch.zeros(1, dtype=torch.float64), mask,
+                             options=PolicyLossOptions(beta=0.1), ref=ref)
     assert metrics["kl_ref"].item() == pytest.approx(sum(math.exp(x) - x - 1 for x in (-0.5, 1.0)) / 2)
 
 
@@ -356,9 +365,10 @@ def test_gradcheck_fp64(loss, level):
     tis = torch.rand(3, 4, generator=gen, dtype=torch.float64) + 0.5
 
     def fn(logp):
-        return policy_loss(logp, old, adv, mask, loss=loss, importance_sampling_level=level,
-                           epsilon_high=0.28, delta=2.0, ref=ref,
-                           beta=0.05, tis_weights=tis)[0]
+        return policy_loss(logp, old, adv, mask,
+                           options=PolicyLossOptions(policy_loss=loss, importance_sampling_level=level,
+                                                     epsilon_high=0.28, delta=2.0, beta=0.05),
+                           ref=ref, tis_weights=tis)[0]
 
     assert torch.autograd.gradcheck(fn, (logp,))
 
@@ -366,13 +376,13 @@ def test_gradcheck_fp64(loss, level):
 def test_unknown_loss_raises():
     logp, old, adv, mask = setup()
     with pytest.raises(ValueError, match="valid: ppo, cispo, sapo"):
-        policy_loss(logp, old, adv, mask, loss="grpo")
+        policy_loss(logp, old, adv, mask, options=PolicyLossOptions(policy_loss="grpo"))
 
 
 def test_beta_without_ref_raises():
     logp, old, adv, mask = setup()
     with pytest.raises(ValueError, match="needs ref"):
-        policy_loss(logp, old, adv, mask, beta=0.04)
+        policy_loss(logp, old, adv, mask, options=PolicyLossOptions(beta=0.04))
 
 
 # Off-policy sequence mask (DeepSeek-V3.2, TRL's off_policy_mask_threshold) ---------------------
@@ -387,7 +397,7 @@ def test_off_policy_mask_drops_only_negative_advantage_sequences_beyond_the_kl_t
                          [0.0, 0.0, 0.0]], dtype=torch.float64)  # A < 0, all padding: KL 0, kept
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 1, 1], [0, 0, 0]], dtype=torch.float64)
     adv = torch.tensor([-1.0, -1.0, 0.0, 2.0, -1.0], dtype=torch.float64)
-    from rlcore.losses.policy import off_policy_mask
+    from rlcore.losses.masks import off_policy_mask
 
     got = off_policy_mask(adv, logp, samp, mask, 0.5)
     assert got.shape == (5, 1) and got[:, 0].tolist() == [0.0, 1.0, 1.0, 1.0, 1.0]
@@ -398,16 +408,17 @@ def test_off_policy_mask_zeroes_the_policy_term_of_dropped_rows_but_not_the_kl(l
     logp, old, adv, mask = setup()
     samp = torch.tensor([[2.0] * 4, [2.0] * 4], dtype=torch.float64)  # KL ~ 2 - mean logp > 0.5 in both rows
     ref = torch.full_like(logp, -0.3)
-    kwargs = dict(loss=loss, epsilon_high=5.0 if loss == "cispo" else None, ref=ref, beta=0.1)
-    plain, _ = policy_loss(logp, old, adv, mask, **kwargs)
-    masked, m = policy_loss(logp, old, adv, mask, **kwargs, samp=samp, off_policy_mask_threshold=0.5)
+    options = dict(policy_loss=loss, epsilon_high=5.0 if loss == "cispo" else None, beta=0.1)
+    plain, _ = policy_loss(logp, old, adv, mask, options=PolicyLossOptions(**options), ref=ref)
+    masked, m = policy_loss(logp, old, adv, mask, options=PolicyLossOptions(**options, off_policy_mask_threshold=0.5),
+                            ref=ref, samp=samp)
     kl = 0.1 * (torch.exp(ref - logp) - (ref - logp) - 1)
     assert_close(masked[0], plain[0])           # A = +1: kept
     assert_close(masked[1], kl[1].detach())     # A = -1: only the KL term is left
     assert_close(grad_of(masked, logp)[1], grad_of(kl, logp)[1])
     assert m["off_policy_mask/kept"].item() == pytest.approx(0.5)
     with pytest.raises(ValueError, match="off_policy_mask_threshold=0.5 needs samp"):
-        policy_loss(logp, old, adv, mask, off_policy_mask_threshold=0.5)
+        policy_loss(logp, old, adv, mask, options=PolicyLossOptions(off_policy_mask_threshold=0.5))
 
 
 # VESPO (TRL's loss_type='vespo') -----------------------------------------------------------
@@ -421,12 +432,13 @@ def test_vespo_is_reinforce_weighted_by_a_gamma_function_of_the_sequence_ratio()
     lambda 2). l = -phi A logp per token, and the gradient -phi A (phi is detached)."""
     logp, old, adv, mask = setup([0.5, 0.9, 1.1, 1.5])
     log_w = sum(math.log(r) for r in [0.5, 0.9, 1.1, 1.5])
-    loss, m = policy_loss(logp, old, adv, mask, loss="vespo")
+    loss, m = policy_loss(logp, old, adv, mask, options=PolicyLossOptions(policy_loss="vespo"))
     phis = [phi(log_w, 2.0, 3.0), phi(log_w, 3.0, 2.0)]
     assert_close(loss, [[-p_ * a * math.log(r) for r in [0.5, 0.9, 1.1, 1.5]] for p_, a in zip(phis, [1, -1])])
     assert_close(grad_of(loss, logp), [[-phis[0]] * 4, [phis[1]] * 4])
     assert m["vespo/phi_mean"].item() == pytest.approx(sum(phis) / 2)
-    on_policy, _ = policy_loss(logp, logp.detach(), adv, mask, loss="vespo", vespo_k_pos=5.0, vespo_lambda_pos=0.5)
+    on_policy, _ = policy_loss(logp, logp.detach(), adv, mask,
+                               options=PolicyLossOptions(policy_loss="vespo", vespo_k_pos=5.0, vespo_lambda_pos=0.5))
     assert_close(grad_of(on_policy, logp), [[-1.0] * 4, [1.0] * 4])  # phi(1) = 1 for every (k, lambda)
 
 
@@ -434,16 +446,16 @@ def test_vespo_folds_tis_weights_into_its_sequence_weight_and_applies_them_nowhe
     logp, old, adv, mask = setup([1.0, 1.0, 1.0, 1.0])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
     tis = torch.tensor([[2.0, 0.5, 1.5, 9.0], [1.2, 1.2, 1.0, 1.0]], dtype=torch.float64)  # 9.0 sits on padding
-    loss, m = policy_loss(logp, old, adv, mask, loss="vespo", tis_weights=tis)
+    loss, m = policy_loss(logp, old, adv, mask, options=PolicyLossOptions(policy_loss="vespo"), tis_weights=tis)
     want = [phi(math.log(2.0 * 0.5 * 1.5), 2.0, 3.0), phi(math.log(1.2 * 1.2), 3.0, 2.0)]
     assert_close(grad_of(loss * mask, logp), [[-want[0]] * 3 + [0.0], [want[1]] * 4])
     seq = torch.tensor([[1.5], [1.44]], dtype=torch.float64)  # a sequence-level TIS weight enters once
-    loss_seq, _ = policy_loss(logp, old, adv, mask, loss="vespo", tis_weights=seq)
+    loss_seq, _ = policy_loss(logp, old, adv, mask, options=PolicyLossOptions(policy_loss="vespo"), tis_weights=seq)
     assert_close(grad_of(loss_seq * mask, logp), [[-want[0]] * 3 + [0.0], [want[1]] * 4])
 
 
 def test_masks_carry_no_grad_even_from_a_differentiable_entropy():
-    from rlcore.losses.policy import entropy_mask, off_policy_mask
+    from rlcore.losses.masks import off_policy_mask
 
     entropy = torch.rand(3, 4, dtype=torch.float64, requires_grad=True)
     mask = torch.ones(3, 4, dtype=torch.float64)
@@ -459,7 +471,7 @@ def test_a_loss_name_without_its_branch_is_an_error_not_another_loss(monkeypatch
     monkeypatch.setattr(policy, "LOSSES", (*policy.LOSSES, "sym_clip"))
     logp, old, adv, mask = setup()
     with pytest.raises(NotImplementedError, match="no branch for loss 'sym_clip'"):
-        policy.policy_loss(logp, old, adv, mask, loss="sym_clip")
+        policy.policy_loss(logp, old, adv, mask, options=PolicyLossOptions(policy_loss="sym_clip"))
 
 
 
@@ -475,7 +487,8 @@ def test_vespo_clamps_the_log_ratios_as_documented(tokens, log_w, k, lam):
     k and lambda are exact in fp32 (vespo_weights rounds them to fp32: 0.1 would be off by 3e-8)."""
     logp = leaf([tokens])
     adv, mask = torch.tensor([1.0], dtype=torch.float64), torch.ones_like(logp)
-    loss, _ = policy_loss(logp, torch.zeros_like(logp), adv, mask, loss="vespo", vespo_k_pos=k, vespo_lambda_pos=lam)
+    loss, _ = policy_loss(logp, torch.zeros_like(logp), adv, mask,
+                          options=PolicyLossOptions(policy_loss="vespo", vespo_k_pos=k, vespo_lambda_pos=lam))
     want = phi(log_w, k, lam)
     assert 1.0 < want < 1e3
     # rtol 1e-9: at log w = 20 phi's exponent is a difference of two numbers near 6e4

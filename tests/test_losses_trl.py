@@ -25,9 +25,8 @@ import torch
 
 from conftest import toml_value
 from rlcore.config import load_config
-from rlcore.losses import EntropyBonus, aggregate_loss, compute_advantages, entropy_mask, policy_loss, score_completions
-from rlcore.rewards import get_reward_funcs
-from rlcore.train import policy_loss_options
+from rlcore.losses import EntropyBonus, PolicyLossOptions, aggregate_loss, compute_advantages, entropy_mask, policy_loss
+from rlcore.rewards import get_reward_funcs, score_completions
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -210,8 +209,8 @@ def rlcore_step(cfg, batches, off_policy: bool):
         keep = None if lc.top_entropy_quantile == 1.0 else \
             entropy_mask(entropy.detach(), b["mask"], lc.top_entropy_quantile)
         old = b["old"] if off_policy else logp.detach()
-        l, m = policy_loss(logp, old, b["adv"], b["mask"], ref=b["ref"] if lc.beta else None,
-                           entropy=entropy.detach(), entropy_keep=keep, samp=old, **policy_loss_options(lc))
+        l, m = policy_loss(logp, old, b["adv"], b["mask"], options=PolicyLossOptions.from_config(lc),
+                           ref=b["ref"] if lc.beta else None, entropy=entropy.detach(), entropy_keep=keep, samp=old)
         loss = aggregate_loss(l, b["mask"], lc.loss_type, gradient_accumulation_steps=GA,
                               max_completion_length=cfg.rollout.max_completion_length, step_tokens=step_tokens)
         if bonus.enabled:

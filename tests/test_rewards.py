@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from rlcore.losses.advantages import check_reward_funcs, score_completions
-from rlcore.rewards import (REWARDS, accuracy, check_countdown, countdown, dataset_columns, evaluate_expression,
-                            extract_answer, format_reward, get_reward_funcs, reward_inputs)
+from rlcore.rewards import (REWARDS, accuracy, check_countdown, check_reward_funcs, countdown, dataset_columns,
+                            evaluate_expression, extract_answer, format_reward, get_reward_funcs, reward_inputs,
+                            score_completions)
 
 
 @pytest.mark.parametrize("text, answer", [

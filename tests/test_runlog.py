@@ -8,7 +8,7 @@ import torch
 
 import rlcore.runlog
 from conftest import exit_spawned_rank
-from rlcore.losses.policy import policy_loss
+from rlcore.losses.policy import PolicyLossOptions, policy_loss
 from rlcore.runlog import Progress, drop_rows_after, log_completions, log_line, reduce_metrics
 
 
@@ -20,7 +20,7 @@ def test_step_metrics_weight_micro_batches_by_active_tokens():
     adv = torch.randn(6, generator=g, dtype=torch.float64)
     mask = torch.ones(6, 5, dtype=torch.float64)
     mask[:2, 1:] = 0  # the first micro-batch holds far fewer active tokens than the second
-    kw = dict(loss="ppo", epsilon=0.2, epsilon_high=0.28)
+    kw = dict(options=PolicyLossOptions(policy_loss="ppo", epsilon=0.2, epsilon_high=0.28))
     micro = []
     for rows in (slice(0, 3), slice(3, 6)):
         _, m = policy_loss(logp[rows], old[rows], adv[rows], mask[rows], **kw)

@@ -15,8 +15,7 @@ import torch.multiprocessing as mp
 from rlcore import distributed
 from rlcore.cli import main
 from rlcore.embedded import build_embedded_model
-from rlcore.losses.advantages import score_completions
-from rlcore.rewards import RewardFunctionError
+from rlcore.rewards import RewardFunctionError, score_completions
 from rlcore.tasks import unique_problems
 from rlcore.train import train
 from conftest import exit_spawned_rank

@@ -195,7 +195,7 @@ def test_beta_trains_against_the_initial_policy_and_logs_kl_ref(correction, tmp_
     seen, real = [], rlcore.train.policy_loss
 
     def spy(*args, **kwargs):
-        seen.append(kwargs["use_bias_correction_kl"])
+        seen.append(kwargs["options"].use_bias_correction_kl)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(rlcore.train, "policy_loss", spy)
@@ -207,7 +207,7 @@ def test_beta_trains_against_the_initial_policy_and_logs_kl_ref(correction, tmp_
 
 
 def test_tis_truncated_masks_and_reward_options_reach_the_loop_calls(tmp_path, monkeypatch):
-    """The options the loop itself reads (not policy_loss_options): loss.tis_mode's weights reach
+    """The options the loop itself reads (not PolicyLossOptions'): loss.tis_mode's weights reach
     policy_loss, loss.mask_truncated_completions zeroes the loss mask of the truncated rows
     policy_loss sees, and loss.reward_weights / loss.scale_rewards reach compute_advantages. At
     temperature 2 some completions run past max_completion_length = 3 without EOS (6 and 7 of 16)."""

@@ -38,7 +38,8 @@ def test_every_policy_loss_runs_and_logs(loss, tmp_path, capsys, monkeypatch):
     assert [r["step"] for r in rows(run)] == [1, 2]
     assert "step    1/2" in capsys.readouterr().out
     if "vespo" in loss[0]:
-        assert {k["loss"] for k in seen} == {"vespo"} and {k["vespo_k_pos"] for k in seen} == {1.5}
+        options = [k["options"] for k in seen]
+        assert {o.policy_loss for o in options} == {"vespo"} and {o.vespo_k_pos for o in options} == {1.5}
         phis = [r["vespo/phi_mean"] for r in rows(run)]
         assert phis[0] == pytest.approx(1.0, abs=1e-4) and 0 < phis[1] < 2, phis  # epoch 1: w = 1, phi(1) = 1
 
@@ -80,7 +81,8 @@ def test_sapo_temperatures_reach_the_loss(tmp_path, monkeypatch):
     seen, real = set(), rlcore.train.policy_loss
 
     def spy(*args, **kwargs):
-        seen.add((kwargs["loss"], kwargs["sapo_temperature_pos"], kwargs["sapo_temperature_neg"]))
+        options = kwargs["options"]
+        seen.add((options.policy_loss, options.sapo_temperature_pos, options.sapo_temperature_neg))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(rlcore.train, "policy_loss", spy)
@@ -265,18 +267,21 @@ def test_two_ranks_run_the_trl_options_that_keep_state_or_reduce_over_ranks(tmp_
     assert (run / "checkpoint-3" / "ref_model").is_dir()
 
 
-def test_policy_loss_options_fill_every_option_of_policy_loss():
-    """A keyword added to policy_loss without its config field in train.policy_loss_options would
-    silently keep its default in every run."""
+def test_every_option_of_policy_loss_comes_from_the_configs_loss_section():
+    """An option of policy_loss outside PolicyLossOptions, or a field of it the config does not fill,
+    would silently keep its default in every run: policy_loss takes tensors and the options object
+    only, each field of which from_config reads from the [loss] field of its name, with the same
+    default."""
     import dataclasses
     import inspect
 
+    from rlcore.losses.policy import PolicyLossOptions, policy_loss
     from rlcore.options import LossArgs
-    from rlcore.losses.policy import policy_loss
 
     tensors = {"logp", "old", "advantages", "mask", "ref", "tis_weights", "entropy", "entropy_keep", "samp"}
-    options = sorted(set(inspect.signature(policy_loss).parameters) - tensors)
-    field = {"loss": "policy_loss"}  # the keyword whose config field has another name
-    distinct = {field.get(k, k): f"value of {k}" for k in options}  # a swap of two fields shows
-    got = rlcore.train.policy_loss_options(dataclasses.replace(LossArgs(), **distinct))
-    assert got == {k: f"value of {k}" for k in options}
+    assert set(inspect.signature(policy_loss).parameters) - tensors == {"options"}
+    fields = [field.name for field in dataclasses.fields(PolicyLossOptions)]
+    distinct = {name: f"value of {name}" for name in fields}  # a swap of two fields shows
+    got = PolicyLossOptions.from_config(dataclasses.replace(LossArgs(), **distinct))
+    assert dataclasses.asdict(got) == distinct
+    assert PolicyLossOptions.from_config(LossArgs()) == PolicyLossOptions()

@@ -17,10 +17,9 @@ or below the target (none before the first measurement).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from torch import Tensor
-
-from rlcore import distributed
 
 
 def mean_entropy(entropy: Tensor, on: Tensor, gradient_accumulation_steps: int) -> Tensor:
@@ -58,11 +57,13 @@ class EntropyBonus:
         coef = self.applied()
         return coef * mean_entropy(entropy, on, gradient_accumulation_steps) if coef else 0.0
 
-    def end_step(self, world: int, device) -> None:
-        """After an optimizer step: adapt the coefficient to the step's entropy over all ranks."""
+    def end_step(self, sum_over_ranks: Callable[[list[float]], list[float]] | None = None) -> None:
+        """After an optimizer step: adapt the coefficient to the step's entropy, over all ranks when
+        `sum_over_ranks` sums each number over them (`distributed.sum_over_ranks`); None: this rank's."""
         if not self.adaptive:
             return
-        total, count = distributed.sum_over_ranks([float(x) for x in self.window], world, device)
+        window = [float(x) for x in self.window]
+        total, count = window if sum_over_ranks is None else sum_over_ranks(window)
         self.window = [0.0, 0.0]
         self.last_entropy = total / max(count, 1.0)
         if self.last_entropy <= self.target:

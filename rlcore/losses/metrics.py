@@ -1,9 +1,10 @@
-"""Masked means and the rollout-vs-trainer mismatch diagnostics (SPEC section 6).
+"""Masked means, the policy loss's metrics and the rollout-vs-trainer mismatch diagnostics
+(SPEC section 6).
 
-Every metric here and in `policy_loss` is a masked mean over the valid tokens of one
-micro-batch, returned as a detached 0-dim tensor next to `tokens`, the count it averaged over.
-To average across micro-batches and ranks without bias, accumulate `value * tokens` and
-`tokens`, all-reduce both, and divide once per step (one sync point instead of one per metric).
+Every metric here is a masked mean over the valid tokens of one micro-batch, returned as a
+detached 0-dim tensor next to `tokens`, the count it averaged over. To average across
+micro-batches and ranks without bias, accumulate `value * tokens` and `tokens`, all-reduce both,
+and divide once per step (one sync point instead of one per metric).
 """
 
 import torch
@@ -14,6 +15,43 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     """Mean of x [B, T] (or [B, 1], broadcast over T) over mask [B, T]; 0 when nothing is valid."""
     mask = mask.to(x.dtype)
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+@torch.no_grad()
+def policy_metrics(
+    logp: Tensor,
+    old: Tensor,
+    mask: Tensor,
+    diagnostics: dict[str, Tensor],
+    *,
+    k3: Tensor | None = None,
+    entropy: Tensor | None = None,
+    entropy_keep: Tensor | None = None,
+    off_policy_keep: Tensor | None = None,
+    tis_weights: Tensor | None = None,
+) -> dict:
+    """`policy_loss`'s metrics: detached 0-dim masked means over the valid tokens of mask [B, T],
+    with `tokens`, the count.
+
+    kl_old/k1 and kl_old/k3: the policy's KL to pi_old, from logp and old [B, T]; then the loss's
+    own `diagnostics` (per-token tensors [B, T] or [B, 1]; a bool one is a fraction of tokens:
+    clip_ratio/*, delta_bound, vespo/phi_mean); then those of the other terms that are given:
+    kl_ref (the k3 [B, T] of the KL term), entropy [B, T], entropy_mask/kept (the entropy mask
+    [B, T]), off_policy_mask/kept (the off-policy mask [B, 1]), tis/mean (TIS weights [B, T] or
+    [B, 1]).
+    """
+    log_ratio = logp - old
+    metrics = {
+        "tokens": mask.sum(),
+        "kl_old/k1": masked_mean(-log_ratio, mask),
+        "kl_old/k3": masked_mean(log_ratio.expm1() - log_ratio, mask),
+    }
+    for name, value in diagnostics.items():
+        metrics[name] = masked_mean(value.float() if value.dtype == torch.bool else value, mask)
+    terms = {"kl_ref": k3, "entropy": entropy, "entropy_mask/kept": entropy_keep,
+             "off_policy_mask/kept": off_policy_keep, "tis/mean": tis_weights}
+    metrics.update({name: masked_mean(value, mask) for name, value in terms.items() if value is not None})
+    return metrics
 
 
 @torch.no_grad()
