@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 import time
 from pathlib import Path
 
@@ -138,3 +139,29 @@ def log_completions(run: Path, step: int, texts: list, R: torch.Tensor, adv: tor
         scores = ", ".join(f"{n} {x:.3g}" if x is not None else f"{n} None" for n, x in rec["rewards"].items())
         print(f"  completion {i + 1}/{len(records)}: {scores}, advantage {rec['advantage']:+.3f}\n"
               f"    prompt: {str(rec['prompt'])[-200:]!r}\n    completion: {str(rec['completion'])[:300]!r}", flush=True)
+
+
+def add_reward_metrics(row: dict, logged: dict) -> None:
+    """Add the reward functions' log_metric means to a step's metrics row; a name rlcore's own metrics
+    use is an error (it would overwrite one)."""
+    if taken := sorted(set(logged) & set(row)):
+        raise ValueError(f"a reward function's log_metric name {taken[0]!r} is one of rlcore's own "
+                         f"metrics; log it under another name (e.g. 'custom/{taken[0]}')")
+    row.update(logged)
+
+
+def memory_metrics(device: torch.device, world: int) -> dict:
+    """The peak memory so far, the largest over ranks: allocated on CUDA, the process's resident set
+    on CPU (one all-reduce)."""
+    if device.type == "cuda":
+        return {"memory/peak_gb": distributed.max_over_ranks(
+            [torch.cuda.max_memory_allocated() / 2**30], world, device)[0]}
+    return {"memory/peak_rss_gb": distributed.max_over_ranks(  # Linux reports KiB
+        [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20], world, device)[0]}
+
+
+def write_row(file: Path, row: dict) -> None:
+    """Append a metrics row as one line of strict JSON (NaN and inf as null)."""
+    with open(file, "a") as f:
+        f.write(json.dumps({key: None if isinstance(v, float) and not math.isfinite(v) else v
+                            for key, v in row.items()}) + "\n")

@@ -1,4 +1,8 @@
-"""A run's trainer state on disk, in a form that loads without running code.
+"""The run's own state, and how it is kept on disk in a form that loads without running code.
+
+`RunState` is what changes as the run goes besides the weights and the optimizer: the step, the
+data position, the non-finite counters, the first evaluation, the sampler and shuffler RNGs and
+the entropy-bonus controller. A checkpoint keeps it with the optimizer and schedule.
 
 A checkpoint's trainer state (optimizer, schedule, RNG states, step, data position, counters) is
 nested dicts and lists of tensors, numbers and strings. It is written as two files: the tensors in
@@ -11,11 +15,14 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+from rlcore.losses.entropy import EntropyBonus
 
 STATE_JSON, STATE_TENSORS = "run_state.json", "run_state.safetensors"
 LEGACY_STATE = "trainer_state.pt"  # earlier rlcore's pickle: read with torch.load(weights_only=True)
@@ -102,3 +109,40 @@ def read_state(directory: Path) -> dict:
         return _decode(encoded, tensors)
     except KeyError as e:
         raise StateFileError(f"{directory / STATE_JSON} names tensor {e} that {STATE_TENSORS} lacks") from None
+
+
+@dataclass
+class RunState:
+    """The run's counters and RNGs; `state_dict` gives a checkpoint's keys (with the optimizer's and
+    the schedule's), `load_state_dict` restores them on --resume."""
+    sampler: torch.Generator  # rollout sampling, one stream per rank
+    shuffler: torch.Generator  # the micro-batch order, the same on every rank
+    bonus: EntropyBonus  # loss.entropy_coef, and its controller's state when adaptive
+    step: int = 0  # optimizer steps taken (skipped ones included)
+    data_pos: int = 0  # prompts drawn so far from the endlessly reshuffled training set
+    nonfinite_in_row: int = 0  # skipped optimizer steps in a row; train.max_nonfinite_steps stops the run
+    nonfinite_total: int = 0
+    before: float | None = None  # held-out accuracy before the first step
+
+    def resume_point(self) -> dict:
+        """Where the next round starts (data position and RNGs): what a checkpoint continues from."""
+        return {"data_pos": self.data_pos, "sampler": self.sampler.get_state(), "shuffler": self.shuffler.get_state(),
+                "torch": torch.get_rng_state()}
+
+    def state_dict(self, at: dict, samplers: list[torch.Tensor]) -> dict:
+        """The checkpoint's trainer state, to continue from `at` (a resume_point) with every rank's
+        sampler state `samplers`."""
+        return {"sampler_rng": samplers, "shuffler_rng": at["shuffler"], "torch_rng": at["torch"], "step": self.step,
+                "data_pos": at["data_pos"], "nonfinite_total": self.nonfinite_total,
+                "nonfinite_in_row": self.nonfinite_in_row, "before": self.before,
+                "entropy_bonus": self.bonus.state_dict() if self.bonus.adaptive else None}
+
+    def load_state_dict(self, saved: dict, rank: int) -> None:
+        self.sampler.set_state(saved["sampler_rng"][rank])
+        self.shuffler.set_state(saved["shuffler_rng"])
+        torch.set_rng_state(saved["torch_rng"])
+        self.step, self.data_pos, self.before = saved["step"], saved["data_pos"], saved["before"]
+        self.nonfinite_total = saved["nonfinite_total"]
+        self.nonfinite_in_row = saved.get("nonfinite_in_row", 0)  # absent from checkpoints of earlier versions
+        if self.bonus.adaptive and saved.get("entropy_bonus"):  # the controller's state (static: the config's)
+            self.bonus.load_state_dict(saved["entropy_bonus"])

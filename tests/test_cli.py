@@ -493,15 +493,15 @@ def test_an_error_rlcore_did_not_word_says_where_it_came_from_and_the_traceback_
                                                                                        monkeypatch):
     """rlcore's own errors are one line; any other ValueError / TypeError / OSError (a bug, or a
     value no check caught) names no option, so the line says where it was raised."""
-    import rlcore.train
+    import rlcore.setup
     from rlcore.cli import internal_origin
     from rlcore.config import load_config
 
     cfg = load_config(None, ["train.lr_scheduler_type=cosine", "train.max_steps=10"])
     cfg.train.lr_scheduler_kwargs = {"num_cycles": "x"}  # past the config check, as before it checked values
     with pytest.raises(TypeError) as e:
-        rlcore.train.lr_lambda(cfg, 10)(5)
-    assert re.fullmatch(r"\nrlcore: \(raised at rlcore/train\.py:\d+ in f; RLCORE_TRACEBACK=1 prints the traceback\)",
+        rlcore.setup.lr_lambda(cfg, 10)(5)
+    assert re.fullmatch(r"\nrlcore: \(raised at rlcore/setup\.py:\d+ in f; RLCORE_TRACEBACK=1 prints the traceback\)",
                         internal_origin(e.value))
     with pytest.raises(ValueError) as e:
         load_config(None, ["train.max_steps=0"])
@@ -510,7 +510,7 @@ def test_an_error_rlcore_did_not_word_says_where_it_came_from_and_the_traceback_
     def broken(*args, **kwargs):
         return "x" * 0.5
 
-    monkeypatch.setattr(rlcore.train, "lr_lambda", broken)
+    monkeypatch.setattr(rlcore.setup, "lr_lambda", broken)
     assert main(cli_args(tmp_path / "run", "train.max_steps=1")) == 1
     err = capsys.readouterr().err
     assert f"rlcore: error: can't multiply sequence by non-int of type 'float'\nrlcore: (raised at {__file__}:" in err

@@ -695,7 +695,7 @@ def test_schedules_are_transformers_after_the_warmup_and_start_above_zero(kind, 
     import torch
     from transformers import get_scheduler
 
-    from rlcore.train import lr_lambda
+    from rlcore.setup import lr_lambda
 
     total = 20
     table = "{" + ", ".join(f"{k} = {v}" for k, v in kwargs.items()) + "}"

@@ -78,9 +78,9 @@ def _embedded_dir_on_rank(rank, init_file, out_dir, cache):
         return path
 
     os.environ["RLCORE_CACHE"] = cache
-    rlcore.train.build_embedded_model = build
+    rlcore.setup.build_embedded_model = build
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    rlcore.train.embedded_model_dir(load_config(None, []), rank, 2)
+    rlcore.setup.embedded_model_dir(load_config(None, []), rank, 2)
     dist.destroy_process_group()
 
 
@@ -132,7 +132,7 @@ def generate(model, prompts, num_generations, max_new_tokens, eos_token_ids, pad
     rounds.append(prompts)
     return fixed_rollout(prompts, every[first:], eos_token_ids[0], pad_token_id)
 
-rlcore.train.generate = generate
+rlcore.rollout.generate = generate
 rlcore.train.policy_loss = policy_loss
 sys.exit(main(sys.argv[1:]))
 """

@@ -63,8 +63,8 @@ def test_a_build_whose_sft_finishes_creates_the_cache_and_leaves_only_the_model_
 def built_by_the_run(cache, monkeypatch, capsys, *overrides):
     """What embedded_model_dir prints for a run with `overrides` on rlcore/default.toml (the build stubbed)."""
     monkeypatch.setenv("RLCORE_CACHE", str(cache))
-    monkeypatch.setattr(rlcore.train, "build_embedded_model", lambda path, pool: path)
-    rlcore.train.embedded_model_dir(load_config(DEFAULT_CONFIG, list(overrides)))
+    monkeypatch.setattr(rlcore.setup, "build_embedded_model", lambda path, pool: path)
+    rlcore.setup.embedded_model_dir(load_config(DEFAULT_CONFIG, list(overrides)))
     return capsys.readouterr().out
 
 

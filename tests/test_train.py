@@ -272,14 +272,14 @@ def logged_metric_is_the_mean_over_the_round(run, per_round, steps_per_round=1):
 
 
 def test_log_completions_writes_every_completion_with_its_rewards_and_advantage(tmp_path, capsys, monkeypatch):
-    lengths, real = [], rlcore.train.generate
+    lengths, real = [], rlcore.rollout.generate
 
     def generate(*args, **kwargs):  # records each rollout's lengths in tokens
         ro = real(*args, **kwargs)
         lengths.extend(ro.lengths.tolist() if kwargs["temperature"] > 0 else [])  # not the greedy evaluation
         return ro
 
-    monkeypatch.setattr(rlcore.train, "generate", generate)
+    monkeypatch.setattr(rlcore.rollout, "generate", generate)
     run = tmp_path / "run"
     train(config(run, "train.max_steps=4", "loss.num_iterations=2", "train.log_completions=true",
                  "train.num_completions_to_print=2",
@@ -322,7 +322,7 @@ def test_max_grad_norm_zero_means_no_clipping(tmp_path, embedded_dir):
 def record_step_gradients(monkeypatch) -> list[torch.Tensor]:
     """Make the loop's optimizer record, at each step, the gradient it steps with (after the
     averaging over ranks and the clipping), as one flat fp64 vector."""
-    seen, real = [], rlcore.train.adamw
+    seen, real = [], rlcore.setup.adamw
 
     def adamw(model, tc):
         opt = real(model, tc)
@@ -330,7 +330,7 @@ def record_step_gradients(monkeypatch) -> list[torch.Tensor]:
             [p.grad.reshape(-1).double() for g in o.param_groups for p in g["params"] if p.grad is not None])))
         return opt
 
-    monkeypatch.setattr(rlcore.train, "adamw", adamw)
+    monkeypatch.setattr(rlcore.setup, "adamw", adamw)
     return seen
 
 
@@ -409,13 +409,13 @@ def test_mismatch_metrics_compare_engine_and_trainer_logprobs(tmp_path, monkeypa
     # valid token, and the k3 estimate of KL(samp || old) is e^c - 1 - c (samples come from samp).
     import dataclasses
 
-    c, real = 0.5, rlcore.train.generate
+    c, real = 0.5, rlcore.rollout.generate
 
     def generate_shifted(*args, **kwargs):
         ro = real(*args, **kwargs)
         return dataclasses.replace(ro, sampling_logprobs=ro.sampling_logprobs - c)
 
-    monkeypatch.setattr(rlcore.train, "generate", generate_shifted)
+    monkeypatch.setattr(rlcore.rollout, "generate", generate_shifted)
     run = tmp_path / "run"
     train(config(run, "train.max_steps=2", f"loss.num_iterations={mu}"))
     for r in rows(run):
@@ -430,13 +430,13 @@ def test_tis_weights_the_loss_by_the_trainer_to_engine_ratio_clamped_at_tis_max(
     # tis_max below it by tis_max, every weight changed. Swapping old and samp would give e^-c.
     import dataclasses
 
-    c, real = 0.5, rlcore.train.generate
+    c, real = 0.5, rlcore.rollout.generate
 
     def generate_shifted(*args, **kwargs):
         ro = real(*args, **kwargs)
         return dataclasses.replace(ro, sampling_logprobs=ro.sampling_logprobs - c)
 
-    monkeypatch.setattr(rlcore.train, "generate", generate_shifted)
+    monkeypatch.setattr(rlcore.rollout, "generate", generate_shifted)
     train(config(tmp_path / "plain", "train.max_steps=1"))
     (plain,) = rows(tmp_path / "plain")
     assert abs(plain["loss"]) > 1e-4
@@ -466,7 +466,7 @@ def test_bf16_on_cpu_trains_with_a_bf16_rollout(tmp_path, monkeypatch):
     # bf16 is checked at the calls (each half's numbers are tested in test_rollout.py and
     # test_shared_prompt.py).
     calls = {"rollout": [], "forward": []}
-    real_generate, real_logprobs = rlcore.train.generate, rlcore.train.completion_logprobs
+    real_generate, real_logprobs = rlcore.rollout.generate, rlcore.train.completion_logprobs
 
     def generate(*args, **kwargs):
         if kwargs["temperature"] > 0:  # the training rollouts (greedy eval runs in the model's dtype)
@@ -477,7 +477,7 @@ def test_bf16_on_cpu_trains_with_a_bf16_rollout(tmp_path, monkeypatch):
         calls["forward"].append(amp)
         return real_logprobs(model, ids, attn, Lp, cids, temperature, amp, *rest)
 
-    monkeypatch.setattr(rlcore.train, "generate", generate)
+    monkeypatch.setattr(rlcore.rollout, "generate", generate)
     monkeypatch.setattr(rlcore.train, "completion_logprobs", completion_logprobs)
     run = tmp_path / "run"
     train(config(run, "train.max_steps=2", "loss.num_iterations=2", "train.bf16=true"))
@@ -499,7 +499,7 @@ def test_reuse_freed_memory_keeps_large_tensors_on_the_heap(reuse):
     # reuse_freed_memory() in the heap, which keeps it after the free.
     code = f"""
 import ctypes, torch
-from rlcore.train import reuse_freed_memory
+from rlcore.setup import reuse_freed_memory
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
                                                "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
@@ -1018,7 +1018,7 @@ def by_prompt_rewards():
     i, None when i is a multiple of 3; the second scores nothing; weights 2 and 1. So the first's
     held-out mean is (1+2+4+5+7+8+10) / 7 = 37/7, the weighted reward's 74/7 (the rows the first
     scored), the second's None; log_metric("custom/batch") records each call's prompt count."""
-    from rlcore.train import EvalRewards
+    from rlcore.evaluation import EvalRewards
 
     def score(prompts, completions, columns, completion_ids, logged):
         assert len(completion_ids) == len(completions)
@@ -1041,7 +1041,7 @@ def _evaluate_on_rank(rank, init_file, out_dir, model_dir):
 
     import torch.distributed as dist
 
-    from rlcore.train import evaluate
+    from rlcore.evaluation import evaluate
 
     seen = []
 
@@ -1064,7 +1064,7 @@ def _evaluate_on_rank(rank, init_file, out_dir, model_dir):
 
 
 def test_a_long_evaluation_reports_each_batch(embedded_dir, monkeypatch, capsys):
-    from rlcore.train import evaluate
+    from rlcore.evaluation import evaluate
 
     tok = Tokenizer.from_dir(embedded_dir)
     examples, model = doubling_examples(tok), load_model(embedded_dir)

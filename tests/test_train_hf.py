@@ -69,8 +69,8 @@ def test_loop_trains_an_hf_checkpoint_and_writes_one_transformers_loads(qwen_dir
     import rlcore.train
 
     # the loop's held-out scorer only (a copy: the config's check of the training rewards keeps the real table)
-    judge = {**rlcore.train.TASK_REWARD, "jsonl": f"{__name__}:even_first_number"}
-    monkeypatch.setattr(rlcore.train, "TASK_REWARD", judge)
+    judge = {**rlcore.setup.TASK_REWARD, "jsonl": f"{__name__}:even_first_number"}
+    monkeypatch.setattr(rlcore.setup, "TASK_REWARD", judge)
     HELD_OUT_SCORES.clear()
     run = tmp_path / "run"
     cfg = load_config(None, [
@@ -144,13 +144,13 @@ def test_stop_strings_are_encoded_without_the_bos_a_llama_tokenizer_adds(gsm8k_f
     model = make_hf_model("llama", vocab_size=512)
     model.config.eos_token_id, model.config.bos_token_id = tok.eos_token_id, tok.bos_token_id
     model.save_pretrained(path)
-    seen, real = [], rlcore.train.generate
+    seen, real = [], rlcore.rollout.generate
 
     def spy(*args, **kwargs):  # records the stops of each call: the held-out evaluations' and the rollout's
         seen.append(kwargs.get("stop_sequences"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(rlcore.train, "generate", spy)
+    monkeypatch.setattr(rlcore.rollout, "generate", spy)
     train(load_config(None, [
         f"model.path={path}", "data.task=jsonl", f"data.path={gsm8k_file}", "data.prompt_column=question",
         "data.num_eval=4", "data.use_chat_template=false", "rollout.num_generations=4",
@@ -251,7 +251,7 @@ def test_weight_decay_skips_the_parameters_transformers_trainer_skips(family, hf
     from transformers import Trainer
 
     from rlcore.options import TrainArgs
-    from rlcore.train import adamw
+    from rlcore.setup import adamw
 
     path, hf = hf_checkpoint(family)
     model = load_model(path)
@@ -293,8 +293,8 @@ def test_chat_template_kwargs_render_prompts_as_transformers_does(qwen_dir, gsm8
         assert ours == ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                return_dict=False, **kwargs)
         assert ("<think>" in tok.decode(ours)) == bool(kwargs)
-    seen, real = [], rlcore.train.encode_prompts
-    monkeypatch.setattr(rlcore.train, "encode_prompts", lambda *a: seen.append(a[-1]) or real(*a))
+    seen, real = [], rlcore.setup.encode_prompts
+    monkeypatch.setattr(rlcore.setup, "encode_prompts", lambda *a: seen.append(a[-1]) or real(*a))
     train(cfg)
     assert seen == [{"enable_thinking": False}] * 2  # the training and the held-out prompts
 

@@ -150,13 +150,13 @@ def test_repetition_penalty_reaches_the_rollouts_and_the_trainer_compares_unpena
     # The penalty changes what is sampled, not the policy: the engine's full_logprobs (without it)
     # are what the mismatch metrics and TIS compare with the trainer's, so they agree as in fp32.
     # The held-out evaluation is plain greedy, without it (docs/rollout.md).
-    penalties, real = [], rlcore.train.generate
+    penalties, real = [], rlcore.rollout.generate
 
     def generate(*args, **kwargs):
         penalties.append((kwargs["temperature"], kwargs.get("repetition_penalty", 1.0)))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(rlcore.train, "generate", generate)
+    monkeypatch.setattr(rlcore.rollout, "generate", generate)
     run = tmp_path / "run"
     train(config(run, "train.max_steps=1", "rollout.repetition_penalty=2.0"))
     assert penalties == [(0.0, 1.0), (1.0, 2.0), (0.0, 1.0)]  # evaluation, the round, evaluation
@@ -224,7 +224,7 @@ def test_off_policy_mask_drops_negative_advantage_rows_the_engine_sampled_far_of
     # so exactly the rows with a negative advantage lose their policy term.
     import dataclasses
 
-    real_generate, real_loss, seen = rlcore.train.generate, rlcore.train.policy_loss, []
+    real_generate, real_loss, seen = rlcore.rollout.generate, rlcore.train.policy_loss, []
 
     def generate_shifted(*args, **kwargs):
         ro = real_generate(*args, **kwargs)
@@ -235,7 +235,7 @@ def test_off_policy_mask_drops_negative_advantage_rows_the_engine_sampled_far_of
         seen.append((adv, per_token.detach(), mask))
         return per_token, m
 
-    monkeypatch.setattr(rlcore.train, "generate", generate_shifted)
+    monkeypatch.setattr(rlcore.rollout, "generate", generate_shifted)
     monkeypatch.setattr(rlcore.train, "policy_loss", spy)
     run = tmp_path / "run"
     train(config(run, "train.max_steps=2", "off_policy_mask_threshold=0.5"))

@@ -1,0 +1,122 @@
+"""The held-out evaluation: greedy completions of the held-out prompts, scored by the task's
+accuracy and by the run's reward functions, before training, every train.eval_steps, and after.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from rlcore import distributed, rollout
+from rlcore.losses.advantages import weighted_rewards
+from rlcore.model import Transformer
+from rlcore.rewards import RewardState, dataset_columns, reward_extras, reward_inputs, score_completions
+from rlcore.runlog import Progress
+from rlcore.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from rlcore.setup import Run
+    from rlcore.state import RunState
+
+
+def completion_token_ids(ro: rollout.Rollout) -> list[list[int]]:
+    """Each completion's token ids, without its padding."""
+    return [ids[:n].tolist() for ids, n in zip(ro.completion_ids, ro.lengths.tolist())]
+
+
+def decode_completions(tok: Tokenizer, completion_ids: list[list[int]]) -> list[str]:
+    """Text of each completion, for the reward functions only (training uses the token ids)."""
+    return [tok.decode(ids, skip_special_tokens=True) for ids in completion_ids]
+
+
+@dataclass
+class EvalRewards:
+    """The reward functions, for `evaluate`: their metric names (loss.reward_funcs), weights
+    (loss.reward_weights) and `score(prompts, completions, columns, completion_ids, logged)`,
+    which returns R [n, F] (score_completions') and appends log_metric values to `logged`."""
+    names: list[str]
+    weights: list[float]
+    score: Callable[..., torch.Tensor]
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, tok: Tokenizer, examples: list[dict], accuracy_fn: Callable, max_new_tokens: int,
+             batch_size: int = 128, rank: int = 0, world: int = 1, device: torch.device | None = None,
+             rewards: EvalRewards | None = None, stop_sequences: list[list[int]] = ()) -> dict:
+    """Held-out metrics of greedy completions: `eval/accuracy`, the fraction of prompts whose
+    greedy answer scores 1 (a prompt the accuracy function cannot score, None, counts as wrong),
+    or None when it scores none of them (no held-out prompts, data.num_eval = 0, or none with an
+    answer to check). With `rewards` (EvalRewards), the reward functions score the same
+    completions too, as TRL's evaluation does: `eval/reward/mean` (the weighted sum, over the
+    prompts some function scored), `eval/reward/<name>/mean` per function, and `eval/<name>` per
+    log_metric name, each None when nothing was scored. A completion ends at EOS or at one of
+    `stop_sequences` (token ids: the rollout's, rollout.stop). Each of the `world` ranks answers
+    every world-th prompt; every rank must call it, and a reward function's failure on one rank
+    stops every rank. A long evaluation (a real model on CPU) says how many prompts rank 0 has done."""
+    correct, scored, columns = 0.0, 0, dataset_columns(examples)
+    mine, progress = examples[rank::world], Progress("held-out eval", enabled=rank == 0)
+    share = f" (rank 0's share of {len(examples)})" if world > 1 else ""
+    # [sum, count] of the weighted reward (column 0) and of each reward function's scores
+    totals = torch.zeros(2, 1 + (len(rewards.names) if rewards else 0), dtype=torch.float64)
+    weights = torch.tensor(rewards.weights if rewards else [], dtype=torch.float64)
+    logged, failure = defaultdict(list), None
+    for i in range(0, len(mine), batch_size):
+        chunk = mine[i:i + batch_size]
+        ro = rollout.generate(model, [ex["prompt_ids"] for ex in chunk], 1, max_new_tokens,
+                      eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id, temperature=0.0,
+                      stop_sequences=stop_sequences)
+        completion_ids = completion_token_ids(ro)
+        prompts, completions, values = reward_inputs(chunk, decode_completions(tok, completion_ids), columns)
+        scores = accuracy_fn(prompts=prompts, completions=completions, **values)
+        correct += sum(1.0 for s in scores if s is not None and s >= 1.0)
+        scored += sum(s is not None for s in scores)
+        if rewards:
+            try:
+                R = rewards.score(prompts, completions, values, completion_ids, logged)
+            except (ValueError, TypeError, RuntimeError) as e:  # RewardFunctionError is a RuntimeError
+                failure = e
+                break  # the ranks raise it together below
+            R = R.double()
+            both = torch.cat([weighted_rewards(R, weights)[:, None], R], dim=1)
+            totals += torch.stack([both.nansum(dim=0), (~both.isnan()).sum(dim=0)])
+        if i + len(chunk) < len(mine):
+            progress.report(f"{i + len(chunk)}/{len(mine)} prompts{share}")
+    if rewards:
+        distributed.raise_together(failure, world)
+        logged = distributed.concat_over_ranks(logged, world)
+    correct, scored, *flat = distributed.sum_over_ranks([correct, scored, *totals.flatten().tolist()], world, device)
+    out = {"eval/accuracy": correct / len(examples) if scored else None}
+    if rewards:
+        means = [total / count if count else None for total, count in torch.tensor(flat).view(2, -1).T.tolist()]
+        out["eval/reward/mean"] = means[0]
+        out.update({f"eval/reward/{name}/mean": mean for name, mean in zip(rewards.names, means[1:])})
+        if taken := sorted(name for name in logged if f"eval/{name}" in out):  # every rank has every name
+            raise ValueError(f"a reward function's log_metric name {taken[0]!r} is logged as eval/{taken[0]} in the "
+                             f"held-out evaluation, one of rlcore's own held-out metrics; log it under another name "
+                             f"(e.g. 'custom/{taken[0]}')")
+        out.update({f"eval/{name}": sum(v) / len(v) for name, v in logged.items()})
+    return out
+
+
+def held_out(run: Run, state: RunState) -> dict:
+    """`evaluate` of the run's policy on its held-out prompts, with its reward functions told the
+    run's progress (`trainer_state`) as at `state`."""
+    cfg = run.cfg
+
+    def score(prompts, completions, values, completion_ids, logged) -> torch.Tensor:
+        reward_state = RewardState(state.step, run.geometry.max_steps, state.data_pos / len(run.train_set),
+                                   cfg.train.num_train_epochs)
+        reward_kwargs = reward_extras(  # completions.jsonl holds the rounds' log_extra columns only
+            completion_ids, reward_state, log_metric=lambda name, value: logged[name].append(float(value)),
+            log_extra=lambda column, values: None)
+        return score_completions(run.reward_funcs, prompts, completions, values, cfg.loss.reward_on_error,
+                                 reward_kwargs)
+
+    rewards = EvalRewards(cfg.loss.reward_funcs, cfg.loss.reward_weights or [1.0] * len(run.reward_funcs), score)
+    return evaluate(run.model, run.tok, run.eval_set, run.accuracy_fn, cfg.train.eval_max_completion_length,
+                    rank=run.rank, world=run.world, device=run.device, rewards=rewards,
+                    stop_sequences=run.stop_sequences)

@@ -1,0 +1,299 @@
+"""Setting a run up: everything the loop needs before its first round, in one `Run`.
+
+`setup` checks and loads the inputs in an order that lets a bad one fail before anything is
+written (the run directory, the data and the reward functions, then the model), builds the
+batch geometry, writes the run's config.toml, and returns the models, tokenizer, data, reward
+functions, optimizer and schedule. The helpers above it each build one of those.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlcore import RlcoreWarning, distributed
+from rlcore.checkpoint import (RUN_CONFIG_HEADER, CheckpointError, check_model_dir, check_new_run_dir, checkpoint_step,
+                               latest_checkpoint, load_model, load_resumed_model, load_trainer_state, resolve_dtype,
+                               resume_command)
+from rlcore.config import (EMBEDDED_MODEL_PATHS, Config, changed_data, dump_config, embedded_model_name,
+                           recorded_model, with_absolute_paths)
+from rlcore.data import encode_prompts, load_examples
+from rlcore.embedded import build_embedded_model, cache_dir_name, why_a_model_of_its_own
+from rlcore.geometry import Geometry
+from rlcore.model import Transformer, weight_layout_difference
+from rlcore.options import TrainArgs
+from rlcore.rewards import REWARD_EXTRAS, check_reward_funcs, dataset_columns, get_reward_funcs
+from rlcore.tasks import TASK_REWARD, unique_problems
+from rlcore.tokenizer import Tokenizer, check_vocab_fits
+from rlcore.validation import validate, warn_bf16_weights
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"train.device = {name!r}, but this machine has no CUDA device torch can use; "
+                         f"--set train.device=cpu (and --set train.bf16=false unless the CPU has AMX)")
+    return device
+
+
+def reuse_freed_memory() -> bool:
+    """Make glibc's malloc keep freed memory for reuse instead of handing it back to the kernel.
+
+    Every micro-batch on CPU allocates the same large tensors again (the kept [N, V] softmax,
+    [V, H] gradients, activations). glibc serves large requests with a fresh mmap and unmaps
+    them on free, so the kernel zero-fills every page again on first touch. With mmap and
+    trimming off, large blocks come from the heap and freed ones stay there for later requests
+    (not every one: an aligned request of exactly a freed block's size may not fit it). At the
+    shape of bench/train_step.py: 1.9M -> 0.64M page faults over 3 whole steps, and in 3
+    alternating pairs of runs on a noisy machine the update took 12.6 s on average against
+    13.5 s. The cost: the process keeps its peak memory until it exits. PyTorch's CPU tuning
+    guide gets more of the effect by preloading jemalloc or tcmalloc.
+    Returns False where this is not glibc (nothing changes then).
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def adamw(model: torch.nn.Module, tc: TrainArgs) -> torch.optim.AdamW:
+    """AdamW with decoupled weight decay on the weight matrices (and embeddings) only: biases and
+    norm weights, the 1-D parameters, are not decayed, as in transformers' Trainer (and so TRL)."""
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": tc.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=tc.learning_rate, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_epsilon)
+
+
+def lr_lambda(cfg: Config, total_steps: int) -> Callable[[int], float]:
+    """Linear warmup ((step+1)/(warmup+1): no step is wasted at rate 0, where transformers'
+    step/warmup spends step 0 at rate 0), then constant, or linear or cosine decay to zero (or
+    to min_lr: cosine_with_min_lr), after the warmup transformers' formulas and arguments."""
+    tc = cfg.train
+    warmup = tc.warmup_steps or math.ceil(tc.warmup_ratio * total_steps)
+    kwargs = tc.lr_scheduler_kwargs
+    cycles = kwargs.get("num_cycles", 0.5)
+    floor = kwargs.get("min_lr_rate", kwargs.get("min_lr", 0.0) / (tc.learning_rate or 1))
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if tc.lr_scheduler_type in ("constant", "constant_with_warmup"):
+            return 1.0
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        if tc.lr_scheduler_type == "linear":
+            return max(0.0, 1.0 - progress)
+        return max(0.0, floor + (1 - floor) * 0.5 * (1.0 + math.cos(math.pi * cycles * 2.0 * progress)))
+
+    return f
+
+
+def check_resumed_model(run: Path, cfg: Config) -> None:
+    """A resumed run keeps the model it started from (its config.toml's), and needs it: the
+    tokenizer, and with beta the reference model, come from there. Another spelling of the same
+    directory is the same model, and so is a new place once the recorded one is gone (moved).
+    The embedded model is the one data.seed and data.num_eval built."""
+    embedded = cfg.model.path in EMBEDDED_MODEL_PATHS
+    started = recorded_model(run / "config.toml")
+    now = embedded_model_name(cfg.data.seed, cfg.data.num_eval) if embedded else cfg.model.path
+    if not embedded and not Path(now).exists():
+        needed = "the tokenizer and the reference model are" if cfg.loss.beta else "the tokenizer is"
+        raise FileNotFoundError(f"--resume {run}: the run's model.path {now} is gone (a relative path is taken "
+                                f"from the current directory); {needed} read from it: restore it, or give its "
+                                f"new place with --set model.path=...")
+    if started is None or started == now:
+        return
+    if embedded or started.startswith("embedded (") or Path(started).exists() and not os.path.samefile(started, now):
+        what = ("drop the new data.seed / data.num_eval, which choose the embedded model and its held-out set"
+                if embedded and started.startswith("embedded (") else "drop the new model.path")
+        raise ValueError(f"--resume {run}: model.path = {now}, but the run started from {started} (its "
+                         f"config.toml); a resumed run keeps its model and tokenizer: {what}, or start a new run "
+                         f"from a checkpoint's model/ directory")
+
+
+def reference_model(cfg: Config, model, model_dir: Path, ck: Path | None, dtype: str, device) -> torch.nn.Module:
+    """The KL reference: model.ref_path or the initial policy, or on --resume the copy a checkpoint
+    holds once loss.sync_ref_model has changed it. sync_ref_model needs the policy's architecture."""
+    synced = ck / "ref_model" if ck and (ck / "ref_model").is_dir() else None
+    try:
+        ref = load_model(synced or cfg.model.ref_path or model_dir, dtype, device).eval()
+    except CheckpointError as e:
+        if synced or not cfg.model.ref_path:
+            raise
+        raise CheckpointError(f"model.ref_path: {e}") from None
+    differ = weight_layout_difference(ref, model) if cfg.loss.sync_ref_model else None
+    if differ:
+        raise ValueError(f"loss.sync_ref_model mixes the policy into the reference weight by weight, but "
+                         f"model.ref_path = {cfg.model.ref_path} is another architecture ({differ}); use a "
+                         f"checkpoint of the policy's architecture or leave model.ref_path unset")
+    return ref
+
+
+def embedded_model_dir(cfg: Config, rank: int = 0, world: int = 1) -> Path:
+    """The embedded default checkpoint, built on first run from the task's training problems.
+
+    Cached under $RLCORE_CACHE (default ~/.cache/rlcore), keyed by what decides its contents,
+    so the held-out problems of `data.seed` / `data.num_eval` are never in its SFT data.
+    Under torchrun local rank 0 of each machine builds it while the other ranks wait, then they
+    find it cached (several machines sharing one cache each build apart and keep the first).
+    """
+    d = cfg.data
+    cache = Path(os.environ.get("RLCORE_CACHE", Path.home() / ".cache" / "rlcore"))
+    where = cache / cache_dir_name(d.seed, d.num_eval)
+    if d.task != "arithmetic":
+        raise ValueError(f"the embedded model is built for data.task = 'arithmetic', not {d.task!r}; set model.path "
+                         f"to a Hugging Face checkpoint directory for other tasks (the embedded model, once built, is "
+                         f"one: --set model.path={where} trains it on a task its character tokenizer can write)")
+    pool = unique_problems("arithmetic", 10**6, d.seed)[d.num_eval:]  # everything but the eval set
+    local = int(os.environ.get("LOCAL_RANK", rank))  # torchrun: the rank on this machine (its cache may be its own)
+    if local != 0:
+        distributed.barrier(world)
+    elif why := why_a_model_of_its_own(cache, d.seed, d.num_eval):
+        print(why, flush=True)
+    path = build_embedded_model(where, pool)
+    if local == 0:
+        distributed.barrier(world)
+    return path
+
+
+@dataclass
+class Run:
+    """A run as `setup` built it: what stays the same from the first round to the last (the
+    weights, optimizer and schedule change in place; the run's own counters are `RunState`)."""
+    cfg: Config
+    rank: int
+    world: int
+    device: torch.device
+    dir: Path  # the run directory: config.toml, metrics, checkpoints
+    model_dir: Path  # the checkpoint the model, tokenizer and (by default) the reference came from
+    tok: Tokenizer
+    model: Transformer
+    ref: Transformer | None  # the KL reference, when loss.beta != 0
+    train_set: list[dict]  # examples with their prompt_ids
+    eval_set: list[dict]
+    reward_funcs: list[Callable]
+    columns: list[str]  # dataset columns passed to every reward call
+    accuracy_fn: Callable  # the task's accuracy, for the held-out evaluation and reward/accuracy
+    answer_column: str
+    stop_sequences: list[list[int]]  # rollout.stop as token ids
+    geometry: Geometry
+    opt: torch.optim.AdamW
+    sched: torch.optim.lr_scheduler.LambdaLR
+    schedule: Callable[[int], float]  # the learning-rate factor of each step
+    checkpoint: Path | None  # on --resume, the checkpoint it continues from
+    saved_state: dict | None  # and that checkpoint's trainer state
+
+    @property
+    def main(self) -> bool:
+        """Rank 0 alone prints and writes files."""
+        return self.rank == 0
+
+
+def setup(cfg: Config, resume: str | os.PathLike | None = None) -> Run:
+    """Check and load everything a run needs (see the module docstring); `resume` is a run directory
+    to continue from its latest checkpoint."""
+    tc, lc, rc = cfg.train, cfg.loss, cfg.rollout  # the train, loss and rollout sections
+    rank, world, device = distributed.init(pick_device(tc.device))  # (0, 1, device) without torchrun
+    if device.type == "cpu":
+        reuse_freed_memory()
+    main = rank == 0  # rank 0 alone prints and writes files
+    validate(cfg, world_size=world)
+    run = Path(resume or tc.output_dir)
+    if not resume:
+        check_new_run_dir(run)
+    if resume:
+        check_resumed_model(run, cfg)
+        if changes := changed_data(run / "config.toml", cfg.data):
+            warnings.warn(f"--resume {run} with other data: {', '.join(changes)}. The checkpoint's data position "
+                          f"counts rows of the old order, the held-out set is drawn again (it may hold prompts the "
+                          f"run trained on), and 'before=' stays the old set's accuracy; drop those --set values to "
+                          f"continue the run as it was, or start a new run from a checkpoint's model/ directory",
+                          RlcoreWarning, stacklevel=2)
+    torch.manual_seed(tc.seed)
+
+    # Data and reward functions (checked before a model loads), model, tokenizer.
+    train_set, eval_set = load_examples(cfg.data)
+    answer_column = cfg.data.answer_column if cfg.data.task == "jsonl" else "answer"  # synthetic tasks': answer
+    reward_funcs = get_reward_funcs(lc.reward_funcs, answer_column)
+    columns = dataset_columns(train_set)  # passed to every reward call, None where a row lacks one
+    check_reward_funcs(reward_funcs, ["prompts", "completions", *REWARD_EXTRAS, *columns])
+    model_dir = (Path(cfg.model.path) if cfg.model.path not in EMBEDDED_MODEL_PATHS
+                 else embedded_model_dir(cfg, rank, world))
+    check_model_dir(model_dir)  # before its tokenizer: an rlcore checkpoint or a LoRA adapter is named as such
+    tok = Tokenizer.from_dir(model_dir)
+    ck = latest_checkpoint(Path(resume)) if resume else None
+    st = load_trainer_state(ck) if ck else None  # before anything is written: a wrong rank count changes nothing
+    if st is not None and len(st["sampler_rng"]) != world:
+        raise ValueError(f"{ck} was saved by a run on {len(st['sampler_rng'])} rank(s), and this one has {world}; "
+                         f"resume it on as many: {resume_command(run, len(st['sampler_rng']))}")
+    dtype = resolve_dtype(cfg.model.dtype, model_dir)  # 'auto': the checkpoint's
+    if cfg.model.dtype == "auto" and dtype == "bfloat16" and main:
+        warn_bf16_weights(cfg, f"model.dtype = 'auto' on {model_dir}, a bfloat16 checkpoint")
+    model = load_resumed_model(ck, dtype, device) if ck else load_model(model_dir, dtype, device)
+    model.gradient_checkpointing = tc.gradient_checkpointing
+    check_vocab_fits(tok, model.config.vocab_size, model_dir)
+    ref = reference_model(cfg, model, model_dir, ck, dtype, device) if lc.beta else None
+    for split in (train_set, eval_set):
+        prompt_ids = encode_prompts(split, tok, cfg.data.system_prompt, cfg.data.use_chat_template,
+                                    cfg.data.max_prompt_length, cfg.data.chat_template_kwargs)
+        for ex, p in zip(split, prompt_ids):
+            ex["prompt_ids"] = p
+    for split, new_tokens, option in ((train_set, rc.max_completion_length, "rollout.max_completion_length"),
+                                      (eval_set, tc.eval_max_completion_length, "train.eval_max_completion_length")):
+        longest = max((len(ex["prompt_ids"]) for ex in split), default=0)
+        if main and split and longest + new_tokens > model.config.max_position_embeddings:  # as transformers warns
+            warnings.warn(f"the longest prompt ({longest} tokens) + {option} = {new_tokens} is {longest + new_tokens} "
+                          f"positions, past {model_dir}'s max_position_embeddings = "
+                          f"{model.config.max_position_embeddings} (config.json): the model was not trained there; "
+                          f"lower {option} or data.max_prompt_length", RlcoreWarning, stacklevel=2)
+    accuracy_fn = get_reward_funcs([TASK_REWARD[cfg.data.task]], answer_column)[0]
+    stop_sequences = [ids for s in rc.stop for ids in tok.stop_ids(s)]  # rollout.stop as token ids
+
+    # Batch geometry (SPEC 1): one round = b*S*P completions = that / G prompts x G samples.
+    geometry = Geometry.of(cfg, world, len(train_set))  # (TRL's max_steps = -1 counts the epochs)
+    G, b, GA, mu, S = geometry.G, geometry.b, geometry.GA, geometry.mu, geometry.S
+    N = geometry.completions_per_round  # all ranks' rows
+    steps_per_round, max_steps = geometry.steps_per_round, geometry.max_steps
+    if main:  # the batch geometry, as TRL's "total train batch size" line gives it
+        print(f"{world} rank(s) x {b * S} completions = {N // G} prompts x G={G} per round; micro-batches of {b}, "
+              f"an optimizer step every {GA} ({steps_per_round} per round, mu={mu})", flush=True)
+    if main and tc.max_steps == -1:
+        print(f"num_train_epochs = {tc.num_train_epochs}: {len(train_set)} prompts, {len(train_set) // (N // G)} "
+              f"whole rounds of {N // G} per pass, {steps_per_round} optimizer step(s) per round: "
+              f"max_steps = {max_steps}", flush=True)
+
+    done = checkpoint_step(ck) if ck else 0
+    if done >= max_steps:  # a finished run: nothing is evaluated or rewritten
+        raise ValueError(f"--resume {run}: its checkpoint is at step {done} and train.max_steps = {max_steps}, so "
+                         f"there is nothing to train; continue it with --set train.max_steps={done + 100} (or any "
+                         f"number above {done})")
+    if main:  # every input loaded and checked: a bad one leaves no run directory behind
+        try:
+            run.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OSError(f"train.output_dir = {str(run)!r} cannot be created ({e.strerror or e}); give a directory "
+                          f"you can write to, e.g. --set train.output_dir=runs/my-run") from e
+        # with absolute paths, so a --resume from another directory finds the model and data
+        (run / "config.toml.tmp").write_text(RUN_CONFIG_HEADER + f"# ranks = {world}\n" +
+                                             dump_config(with_absolute_paths(cfg)))
+        os.replace(run / "config.toml.tmp", run / "config.toml")  # a crash leaves the previous one
+
+    opt = adamw(model, tc)
+    schedule = lr_lambda(cfg, max_steps)
+    return Run(cfg=cfg, rank=rank, world=world, device=device, dir=run, model_dir=model_dir, tok=tok, model=model,
+               ref=ref, train_set=train_set, eval_set=eval_set, reward_funcs=reward_funcs, columns=columns,
+               accuracy_fn=accuracy_fn, answer_column=answer_column, stop_sequences=stop_sequences,
+               geometry=geometry, opt=opt, sched=torch.optim.lr_scheduler.LambdaLR(opt, schedule), schedule=schedule,
+               checkpoint=ck, saved_state=st)
