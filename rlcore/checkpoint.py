@@ -4,11 +4,7 @@ Loading builds the model on the meta device (no memory), then assigns the tensor
 disk, converted one at a time to the requested dtype: the process never holds a second full
 copy of the weights. Saving writes the same layout transformers writes, so
 `AutoModelForCausalLM.from_pretrained(path)` loads an rlcore checkpoint back.
-
-A training run's checkpoints are directories `checkpoint-<step>/` in the run directory, each
-the model in that format (`model/`, with the tokenizer files) and the trainer state
-(`run_state.json` + `run_state.safetensors`, rlcore.state), written atomically and found again
-through the file `latest`.
+A run directory's checkpoints, which hold a model in this format, are rlcore.rundir's.
 """
 
 from __future__ import annotations
@@ -17,7 +13,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import shutil
 import warnings
 from pathlib import Path
@@ -28,7 +23,7 @@ from safetensors.torch import save_file
 
 from rlcore import RlcoreWarning
 from rlcore.model import ModelConfig, Transformer, rope_inv_freq
-from rlcore.state import StateFileError, has_state, read_state, state_file, write_state
+from rlcore.state import has_state
 from rlcore.tokenizer import checkpoint_dir_problem
 from rlcore.tokenizer import read_json as read_json_object
 
@@ -308,169 +303,3 @@ def fsync_dir(path: Path) -> None:
         if p.is_file():
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
-
-
-# ----------------------------------------------------------------------------- run checkpoints
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
-                   "chat_template.jinja", "special_tokens_map.json")
-
-
-RUN_CONFIG_HEADER = "# rlcore: this run's configuration, which rlcore train --resume reads\n"
-
-
-def recorded_ranks(run_config: Path) -> int | None:
-    """The rank count a run's config.toml records on the line after the header (`# ranks = 2`);
-    None for a run written before rlcore recorded it."""
-    lines = run_config.read_text(errors="replace").splitlines()[1:2]
-    return int(lines[0].split("=")[1]) if lines and re.fullmatch(r"# ranks = \d+", lines[0]) else None
-
-
-def resume_command(run: Path, ranks: int) -> str:
-    """The command that continues `run`, trained on `ranks` processes (on one machine)."""
-    if ranks == 1:
-        return f"rlcore train --resume {run}"
-    return f"torchrun --nproc_per_node={ranks} -m rlcore.cli train --resume {run}"
-
-
-def check_new_run_dir(run: Path) -> None:
-    """A new run writes config.toml and checkpoint-<step>/ into train.output_dir, and deletes its
-    own older checkpoints: the directory must hold no checkpoint-* entry and no config.toml that
-    rlcore did not write (a run that crashed before its first checkpoint leaves its own). Other
-    files (a log, a .gitkeep) stay as they are."""
-    existing = run
-    while not existing.exists():  # the nearest existing ancestor: the run directory is created under it
-        existing = existing.parent
-    if not existing.is_dir():
-        what = "is a file" if existing == run else f"is inside {existing}, which is a file"
-        raise NotADirectoryError(f"train.output_dir = {run} {what}; choose a directory (it is created)")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise PermissionError(f"train.output_dir = {run}: {existing} is not writable; choose a directory you can "
-                              f"write to")
-    if existing != run:
-        return
-    if (run / "latest").exists():
-        raise FileExistsError(f"{run} already holds checkpoints; continue it with --resume {run}, "
-                              "or choose a new train.output_dir (nothing is overwritten)")
-    others = sorted(p.name for p in run.glob("checkpoint-*"))
-    config = run / "config.toml"
-    if config.is_file() and not config.read_text(errors="replace").startswith(RUN_CONFIG_HEADER):
-        others.append("config.toml")
-    if others:
-        listed = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
-        raise FileExistsError(f"train.output_dir = {run} already holds files that are not an rlcore run's ({listed}); "
-                              f"a run writes config.toml and checkpoint-<step>/ there and deletes its older "
-                              f"checkpoints: choose a new or empty train.output_dir (nothing was written)")
-
-
-def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep: int | None = 2,
-                    ref=None) -> Path:
-    """run/checkpoint-<step>/: HF weights + tokenizer + trainer state (+ `ref_model/`, HF weights
-    of a reference model that training has changed, when `ref` is given), then `latest` points to it.
-
-    The directory is written under a temporary name and renamed, and `latest` is replaced
-    atomically, so a crash at any point leaves the previous checkpoint intact and findable.
-    Then all but the newest `keep` checkpoints are deleted (None: none are).
-    """
-    final = run / f"checkpoint-{step}"
-    tmp = run / f".checkpoint-{step}.tmp"
-    if final.exists() and not has_state(final):  # else: a crashed attempt's save of this step
-        raise FileExistsError(f"{final} exists and is not an rlcore checkpoint (no run_state.json); "
-                              f"move it out of the run directory {run}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    extra = {n: source / n for n in TOKENIZER_FILES if (source / n).is_file()}
-    try:
-        save_model(model, tmp / "model", extra_files=extra)
-        if ref is not None:
-            save_model(ref, tmp / "ref_model")
-        write_state(tmp, state)
-        fsync_dir(tmp)
-    except (OSError, SafetensorError, RuntimeError) as e:  # no space, file too large, I/O error (torch: RuntimeError)
-        shutil.rmtree(tmp, ignore_errors=True)  # give the space back
-        kept = kept_checkpoint(run)
-        raise OSError(f"could not write checkpoint {final} ({type(e).__name__}: {e}); " +
-                      (f"{run / kept} is intact: make room, then continue with --resume {run}" if kept else
-                       "no earlier checkpoint exists: make room and start again")) from e
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
-    with open(run / "latest.tmp", "w") as f:
-        f.write(final.name)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(run / "latest.tmp", run / "latest")
-    old = [p for p in checkpoints(run) if p != final]
-    for p in old[:max(0, len(old) - keep + 1)] if keep is not None else []:
-        shutil.rmtree(p, ignore_errors=True)
-    return final
-
-
-def checkpoint_step(ck: Path) -> int:
-    """The optimizer step a `checkpoint-<step>` directory was saved at (from its name: no file read)."""
-    return int(ck.name.removeprefix("checkpoint-"))
-
-
-def checkpoints(run: Path) -> list[Path]:
-    """The run's `checkpoint-<step>` directories, oldest first (saves in progress are `.checkpoint-*`).
-    Only rlcore's (with a trainer state): rotation never deletes a Trainer's or a user's directory."""
-    return sorted((p for p in run.glob("checkpoint-*")
-                   if p.name.removeprefix("checkpoint-").isdigit() and has_state(p)),
-                  key=checkpoint_step)
-
-
-def kept_checkpoint(run: Path) -> str | None:
-    """The checkpoint a run directory's `latest` names (what a --resume continues from), or None."""
-    return (run / "latest").read_text().strip() if (run / "latest").is_file() else None
-
-
-def latest_checkpoint(run: Path) -> Path:
-    ptr = run / "latest"
-    if not ptr.is_file():
-        raise FileNotFoundError(f"{run}: no `latest` file; nothing to resume (was a checkpoint saved?)")
-    name = ptr.read_text().strip()
-    ck = run / name
-    if not name or not has_state(ck):
-        others = checkpoints(run)
-        fix = (f"; the run directory keeps {others[-1].name}: write its name into {ptr} to resume from it"
-               if others else "")
-        if not name:
-            raise FileNotFoundError(f"{ptr} is empty: it names no checkpoint" + fix)
-        raise FileNotFoundError(f"{ck}: checkpoint named by {ptr} is " +
-                                ("incomplete (no run_state.json)" if ck.is_dir() else "missing") + fix)
-    return ck
-
-
-TRAINER_STATE_KEYS = ("optimizer", "scheduler", "sampler_rng", "shuffler_rng", "torch_rng", "step", "data_pos",
-                      "nonfinite_total", "before")
-"""What every rlcore trainer state holds (train() writes more; later versions' additions are read with .get)."""
-
-
-def load_trainer_state(ck: Path) -> dict:
-    """The optimizer, schedule, RNG and data-position state saved with checkpoint `ck`. Nothing in it
-    runs code (rlcore.state), so a run directory from elsewhere resumes without being trusted."""
-    file = state_file(ck)
-    try:
-        state = read_state(ck)
-    except StateFileError as e:
-        raise ValueError(f"{e}; the checkpoint is damaged, or not rlcore's{way_back(ck)}") from e
-    missing = TRAINER_STATE_KEYS if not isinstance(state, dict) else [k for k in TRAINER_STATE_KEYS if k not in state]
-    if missing:
-        raise ValueError(f"{file} is not an rlcore trainer state: it lacks {', '.join(missing)}; rlcore resumes only "
-                         f"the runs it wrote. To start from this checkpoint's weights, begin a new run with "
-                         f"--set model.path={ck / 'model' if (ck / 'model').is_dir() else ck}")
-    return state
-
-
-def way_back(ck: Path) -> str:
-    """For a damaged checkpoint `ck` of a run: the earlier one to resume from, and how."""
-    earlier = [p for p in checkpoints(ck.parent) if checkpoint_step(p) < checkpoint_step(ck)]
-    if not earlier:
-        return "; the run keeps no earlier checkpoint: start it again"
-    return f"; the run keeps {earlier[-1].name}: write that name into {ck.parent / 'latest'} to resume from it"
-
-
-def load_resumed_model(ck: Path, dtype, device) -> Transformer:
-    """`load_model` of a run's checkpoint, pointing at the earlier one when this one is damaged."""
-    try:
-        return load_model(ck / "model", dtype, device)
-    except CheckpointError as e:
-        raise CheckpointError(f"{e}{way_back(ck)}") from None

@@ -101,7 +101,7 @@ def plain_warnings(message, category, filename, lineno, file=None, line=None, *,
 def no_latest_hint(run: Path) -> str:
     """What a --resume directory without a `latest` file is instead: one of rlcore's checkpoints, a
     run that stopped before its first save, or a transformers Trainer's (TRL's) output."""
-    from rlcore.checkpoint import RUN_CONFIG_HEADER
+    from rlcore.config import RUN_CONFIG_HEADER
     from rlcore.state import has_state
 
     if has_state(run):  # a checkpoint, as the Trainer's resume_from_checkpoint takes
@@ -169,7 +169,7 @@ def run_command(argv: list[str] | None = None) -> int:
         print(options_table())
         return 0
 
-    from rlcore.checkpoint import kept_checkpoint, recorded_ranks, resume_command
+    from rlcore.rundir import kept_checkpoint, recorded_ranks, resume_command
 
     world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
     run_config = None  # the run's own config.toml, read back by --resume

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlcore import EMBEDDED_DEFAULT, ConfigError, RlcoreWarning, trl_compat
-from rlcore.checkpoint import RUN_CONFIG_HEADER
 from rlcore.options import (SECTIONS, DataArgs, LossArgs, ModelArgs, RolloutArgs, TrainArgs, accepts, check_type,
                             field_names, sections_with, shell_set, toml_literal, toml_value)
 from rlcore.validation import validate
@@ -122,6 +121,9 @@ def dump_config(config: Config) -> str:
     return "\n".join(lines)
 
 
+RUN_CONFIG_HEADER = "# rlcore: this run's configuration, which rlcore train --resume reads\n"
+"""The first line of the config.toml a run directory holds: `rlcore train --resume` reads it back."""
+
 EMBEDDED_MODEL_PATHS = ("", "embedded")
 """The model.path values that name the embedded tiny model (built and cached on first use)."""
 
@@ -138,47 +140,6 @@ def with_absolute_paths(config: Config) -> Config:
         if value is not None and value not in EMBEDDED_MODEL_PATHS:
             setattr(getattr(config, section), key, str(Path(value).resolve()))
     return config
-
-
-def recorded_sections(config_toml: Path) -> dict | None:
-    """A run directory's config.toml as written, without applying or checking it; None when absent."""
-    if not config_toml.is_file():
-        return None
-    with open(config_toml, "rb") as f:
-        return tomllib.load(f)
-
-
-def recorded_model(config_toml: Path) -> str | None:
-    """The model a run directory's config.toml records: its model.path, or for the embedded model
-    "embedded (data.seed = S, data.num_eval = E)", the keys its build depends on; None when the
-    file is absent."""
-    if (recorded := recorded_sections(config_toml)) is None:
-        return None
-    path, data = recorded.get("model", {}).get("path", ""), recorded.get("data", {})
-    if path not in EMBEDDED_MODEL_PATHS:
-        return path
-    return embedded_model_name(data.get("seed", DataArgs.seed), data.get("num_eval", DataArgs.num_eval))
-
-
-DATA_SELECTION = ("task", "path", "eval_path", "num_train", "num_eval", "seed")  # which rows, in which order
-
-
-def changed_data(config_toml: Path, data: DataArgs) -> list[str]:
-    """`data.key = now (was before)` for each DATA_SELECTION option that differs from a run
-    directory's config.toml (a path the same file under another spelling does not differ)."""
-    recorded, defaults, changes = (recorded_sections(config_toml) or {}).get("data", {}), DataArgs(), []
-    for key in DATA_SELECTION:
-        was, now = recorded.get(key, getattr(defaults, key)), getattr(data, key)
-        same_file = key.endswith("path") and was and now and Path(was).exists() and Path(now).exists() \
-            and os.path.samefile(was, now)
-        if was != now and not same_file:
-            changes.append(f"data.{key} = {now!r} (was {was!r})")
-    return changes
-
-
-def embedded_model_name(seed: int, num_eval: int) -> str:
-    """The embedded model is built from the problems that data.seed and data.num_eval hold out."""
-    return f"embedded (data.seed = {seed}, data.num_eval = {num_eval})"
 
 
 def load_config(path: str | None = None, overrides: list[str] = (), world_size: int = 1) -> Config:

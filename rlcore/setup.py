@@ -19,17 +19,16 @@ from pathlib import Path
 import torch
 
 from rlcore import RlcoreWarning, distributed
-from rlcore.checkpoint import (RUN_CONFIG_HEADER, CheckpointError, check_model_dir, check_new_run_dir, checkpoint_step,
-                               latest_checkpoint, load_model, load_resumed_model, load_trainer_state, resolve_dtype,
-                               resume_command)
-from rlcore.config import (EMBEDDED_MODEL_PATHS, Config, changed_data, dump_config, embedded_model_name,
-                           recorded_model, with_absolute_paths)
+from rlcore.checkpoint import CheckpointError, check_model_dir, load_model, resolve_dtype
+from rlcore.config import EMBEDDED_MODEL_PATHS, RUN_CONFIG_HEADER, Config, dump_config, with_absolute_paths
 from rlcore.data import encode_prompts, load_examples
 from rlcore.embedded import build_embedded_model, cache_dir_name, why_a_model_of_its_own
 from rlcore.geometry import Geometry
 from rlcore.model import Transformer, weight_layout_difference
 from rlcore.options import TrainArgs
 from rlcore.rewards import REWARD_EXTRAS, check_reward_funcs, dataset_columns, get_reward_funcs
+from rlcore.rundir import (changed_data, check_new_run_dir, check_resumed_model, checkpoint_step, latest_checkpoint,
+                           load_resumed_model, load_trainer_state, resume_command)
 from rlcore.tasks import TASK_REWARD, unique_problems
 from rlcore.tokenizer import Tokenizer, check_vocab_fits
 from rlcore.validation import validate, warn_bf16_weights
@@ -68,65 +67,44 @@ def reuse_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
-def adamw(model: torch.nn.Module, tc: TrainArgs) -> torch.optim.AdamW:
+def adamw(model: torch.nn.Module, train_cfg: TrainArgs) -> torch.optim.AdamW:
     """AdamW with decoupled weight decay on the weight matrices (and embeddings) only: biases and
     norm weights, the 1-D parameters, are not decayed, as in transformers' Trainer (and so TRL)."""
     params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": tc.weight_decay},
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": train_cfg.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=tc.learning_rate, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_epsilon)
+    return torch.optim.AdamW(groups, lr=train_cfg.learning_rate, betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
+                             eps=train_cfg.adam_epsilon)
 
 
 def lr_lambda(cfg: Config, total_steps: int) -> Callable[[int], float]:
     """Linear warmup ((step+1)/(warmup+1): no step is wasted at rate 0, where transformers'
     step/warmup spends step 0 at rate 0), then constant, or linear or cosine decay to zero (or
     to min_lr: cosine_with_min_lr), after the warmup transformers' formulas and arguments."""
-    tc = cfg.train
-    warmup = tc.warmup_steps or math.ceil(tc.warmup_ratio * total_steps)
-    kwargs = tc.lr_scheduler_kwargs
+    train_cfg = cfg.train
+    warmup = train_cfg.warmup_steps or math.ceil(train_cfg.warmup_ratio * total_steps)
+    kwargs = train_cfg.lr_scheduler_kwargs
     cycles = kwargs.get("num_cycles", 0.5)
-    floor = kwargs.get("min_lr_rate", kwargs.get("min_lr", 0.0) / (tc.learning_rate or 1))
+    floor = kwargs.get("min_lr_rate", kwargs.get("min_lr", 0.0) / (train_cfg.learning_rate or 1))
 
     def f(step: int) -> float:
         if step < warmup:
             return (step + 1) / (warmup + 1)
-        if tc.lr_scheduler_type in ("constant", "constant_with_warmup"):
+        if train_cfg.lr_scheduler_type in ("constant", "constant_with_warmup"):
             return 1.0
         progress = (step - warmup) / max(1, total_steps - warmup)
-        if tc.lr_scheduler_type == "linear":
+        if train_cfg.lr_scheduler_type == "linear":
             return max(0.0, 1.0 - progress)
         return max(0.0, floor + (1 - floor) * 0.5 * (1.0 + math.cos(math.pi * cycles * 2.0 * progress)))
 
     return f
 
 
-def check_resumed_model(run: Path, cfg: Config) -> None:
-    """A resumed run keeps the model it started from (its config.toml's), and needs it: the
-    tokenizer, and with beta the reference model, come from there. Another spelling of the same
-    directory is the same model, and so is a new place once the recorded one is gone (moved).
-    The embedded model is the one data.seed and data.num_eval built."""
-    embedded = cfg.model.path in EMBEDDED_MODEL_PATHS
-    started = recorded_model(run / "config.toml")
-    now = embedded_model_name(cfg.data.seed, cfg.data.num_eval) if embedded else cfg.model.path
-    if not embedded and not Path(now).exists():
-        needed = "the tokenizer and the reference model are" if cfg.loss.beta else "the tokenizer is"
-        raise FileNotFoundError(f"--resume {run}: the run's model.path {now} is gone (a relative path is taken "
-                                f"from the current directory); {needed} read from it: restore it, or give its "
-                                f"new place with --set model.path=...")
-    if started is None or started == now:
-        return
-    if embedded or started.startswith("embedded (") or Path(started).exists() and not os.path.samefile(started, now):
-        what = ("drop the new data.seed / data.num_eval, which choose the embedded model and its held-out set"
-                if embedded and started.startswith("embedded (") else "drop the new model.path")
-        raise ValueError(f"--resume {run}: model.path = {now}, but the run started from {started} (its "
-                         f"config.toml); a resumed run keeps its model and tokenizer: {what}, or start a new run "
-                         f"from a checkpoint's model/ directory")
-
-
-def reference_model(cfg: Config, model, model_dir: Path, ck: Path | None, dtype: str, device) -> torch.nn.Module:
+def reference_model(cfg: Config, model, model_dir: Path, checkpoint: Path | None, dtype: str,
+                    device) -> torch.nn.Module:
     """The KL reference: model.ref_path or the initial policy, or on --resume the copy a checkpoint
     holds once loss.sync_ref_model has changed it. sync_ref_model needs the policy's architecture."""
-    synced = ck / "ref_model" if ck and (ck / "ref_model").is_dir() else None
+    synced = checkpoint / "ref_model" if checkpoint and (checkpoint / "ref_model").is_dir() else None
     try:
         ref = load_model(synced or cfg.model.ref_path or model_dir, dtype, device).eval()
     except CheckpointError as e:
@@ -204,13 +182,13 @@ class Run:
 def setup(cfg: Config, resume: str | os.PathLike | None = None) -> Run:
     """Check and load everything a run needs (see the module docstring); `resume` is a run directory
     to continue from its latest checkpoint."""
-    tc, lc, rc = cfg.train, cfg.loss, cfg.rollout  # the train, loss and rollout sections
-    rank, world, device = distributed.init(pick_device(tc.device))  # (0, 1, device) without torchrun
+    train_cfg, loss_cfg, rollout_cfg = cfg.train, cfg.loss, cfg.rollout  # the train, loss and rollout sections
+    rank, world, device = distributed.init(pick_device(train_cfg.device))  # (0, 1, device) without torchrun
     if device.type == "cpu":
         reuse_freed_memory()
     main = rank == 0  # rank 0 alone prints and writes files
     validate(cfg, world_size=world)
-    run = Path(resume or tc.output_dir)
+    run = Path(resume or train_cfg.output_dir)
     if not resume:
         check_new_run_dir(run)
     if resume:
@@ -221,37 +199,40 @@ def setup(cfg: Config, resume: str | os.PathLike | None = None) -> Run:
                           f"run trained on), and 'before=' stays the old set's accuracy; drop those --set values to "
                           f"continue the run as it was, or start a new run from a checkpoint's model/ directory",
                           RlcoreWarning, stacklevel=2)
-    torch.manual_seed(tc.seed)
+    torch.manual_seed(train_cfg.seed)
 
     # Data and reward functions (checked before a model loads), model, tokenizer.
     train_set, eval_set = load_examples(cfg.data)
     answer_column = cfg.data.answer_column if cfg.data.task == "jsonl" else "answer"  # synthetic tasks': answer
-    reward_funcs = get_reward_funcs(lc.reward_funcs, answer_column)
+    reward_funcs = get_reward_funcs(loss_cfg.reward_funcs, answer_column)
     columns = dataset_columns(train_set)  # passed to every reward call, None where a row lacks one
     check_reward_funcs(reward_funcs, ["prompts", "completions", *REWARD_EXTRAS, *columns])
     model_dir = (Path(cfg.model.path) if cfg.model.path not in EMBEDDED_MODEL_PATHS
                  else embedded_model_dir(cfg, rank, world))
     check_model_dir(model_dir)  # before its tokenizer: an rlcore checkpoint or a LoRA adapter is named as such
     tok = Tokenizer.from_dir(model_dir)
-    ck = latest_checkpoint(Path(resume)) if resume else None
-    st = load_trainer_state(ck) if ck else None  # before anything is written: a wrong rank count changes nothing
-    if st is not None and len(st["sampler_rng"]) != world:
-        raise ValueError(f"{ck} was saved by a run on {len(st['sampler_rng'])} rank(s), and this one has {world}; "
-                         f"resume it on as many: {resume_command(run, len(st['sampler_rng']))}")
+    checkpoint = latest_checkpoint(Path(resume)) if resume else None
+    # read before anything is written: a wrong rank count changes nothing
+    saved_state = load_trainer_state(checkpoint) if checkpoint else None
+    if saved_state is not None and len(saved_state["sampler_rng"]) != world:
+        raise ValueError(f"{checkpoint} was saved by a run on {len(saved_state['sampler_rng'])} rank(s), and this one "
+                         f"has {world}; "
+                         f"resume it on as many: {resume_command(run, len(saved_state['sampler_rng']))}")
     dtype = resolve_dtype(cfg.model.dtype, model_dir)  # 'auto': the checkpoint's
     if cfg.model.dtype == "auto" and dtype == "bfloat16" and main:
         warn_bf16_weights(cfg, f"model.dtype = 'auto' on {model_dir}, a bfloat16 checkpoint")
-    model = load_resumed_model(ck, dtype, device) if ck else load_model(model_dir, dtype, device)
-    model.gradient_checkpointing = tc.gradient_checkpointing
+    model = load_resumed_model(checkpoint, dtype, device) if checkpoint else load_model(model_dir, dtype, device)
+    model.gradient_checkpointing = train_cfg.gradient_checkpointing
     check_vocab_fits(tok, model.config.vocab_size, model_dir)
-    ref = reference_model(cfg, model, model_dir, ck, dtype, device) if lc.beta else None
+    ref = reference_model(cfg, model, model_dir, checkpoint, dtype, device) if loss_cfg.beta else None
     for split in (train_set, eval_set):
         prompt_ids = encode_prompts(split, tok, cfg.data.system_prompt, cfg.data.use_chat_template,
                                     cfg.data.max_prompt_length, cfg.data.chat_template_kwargs)
         for ex, p in zip(split, prompt_ids):
             ex["prompt_ids"] = p
-    for split, new_tokens, option in ((train_set, rc.max_completion_length, "rollout.max_completion_length"),
-                                      (eval_set, tc.eval_max_completion_length, "train.eval_max_completion_length")):
+    for split, new_tokens, option in ((train_set, rollout_cfg.max_completion_length, "rollout.max_completion_length"),
+                                      (eval_set, train_cfg.eval_max_completion_length,
+                                       "train.eval_max_completion_length")):
         longest = max((len(ex["prompt_ids"]) for ex in split), default=0)
         if main and split and longest + new_tokens > model.config.max_position_embeddings:  # as transformers warns
             warnings.warn(f"the longest prompt ({longest} tokens) + {option} = {new_tokens} is {longest + new_tokens} "
@@ -259,7 +240,7 @@ def setup(cfg: Config, resume: str | os.PathLike | None = None) -> Run:
                           f"{model.config.max_position_embeddings} (config.json): the model was not trained there; "
                           f"lower {option} or data.max_prompt_length", RlcoreWarning, stacklevel=2)
     accuracy_fn = get_reward_funcs([TASK_REWARD[cfg.data.task]], answer_column)[0]
-    stop_sequences = [ids for s in rc.stop for ids in tok.stop_ids(s)]  # rollout.stop as token ids
+    stop_sequences = [ids for s in rollout_cfg.stop for ids in tok.stop_ids(s)]  # rollout.stop as token ids
 
     # Batch geometry (SPEC 1): one round = b*S*P completions = that / G prompts x G samples.
     geometry = Geometry.of(cfg, world, len(train_set))  # (TRL's max_steps = -1 counts the epochs)
@@ -269,12 +250,12 @@ def setup(cfg: Config, resume: str | os.PathLike | None = None) -> Run:
     if main:  # the batch geometry, as TRL's "total train batch size" line gives it
         print(f"{world} rank(s) x {b * S} completions = {N // G} prompts x G={G} per round; micro-batches of {b}, "
               f"an optimizer step every {GA} ({steps_per_round} per round, mu={mu})", flush=True)
-    if main and tc.max_steps == -1:
-        print(f"num_train_epochs = {tc.num_train_epochs}: {len(train_set)} prompts, {len(train_set) // (N // G)} "
-              f"whole rounds of {N // G} per pass, {steps_per_round} optimizer step(s) per round: "
+    if main and train_cfg.max_steps == -1:
+        print(f"num_train_epochs = {train_cfg.num_train_epochs}: {len(train_set)} prompts, "
+              f"{len(train_set) // (N // G)} whole rounds of {N // G} per pass, {steps_per_round} optimizer step(s) per round: "
               f"max_steps = {max_steps}", flush=True)
 
-    done = checkpoint_step(ck) if ck else 0
+    done = checkpoint_step(checkpoint) if checkpoint else 0
     if done >= max_steps:  # a finished run: nothing is evaluated or rewritten
         raise ValueError(f"--resume {run}: its checkpoint is at step {done} and train.max_steps = {max_steps}, so "
                          f"there is nothing to train; continue it with --set train.max_steps={done + 100} (or any "
@@ -290,10 +271,10 @@ def setup(cfg: Config, resume: str | os.PathLike | None = None) -> Run:
                                              dump_config(with_absolute_paths(cfg)))
         os.replace(run / "config.toml.tmp", run / "config.toml")  # a crash leaves the previous one
 
-    opt = adamw(model, tc)
+    opt = adamw(model, train_cfg)
     schedule = lr_lambda(cfg, max_steps)
     return Run(cfg=cfg, rank=rank, world=world, device=device, dir=run, model_dir=model_dir, tok=tok, model=model,
                ref=ref, train_set=train_set, eval_set=eval_set, reward_funcs=reward_funcs, columns=columns,
                accuracy_fn=accuracy_fn, answer_column=answer_column, stop_sequences=stop_sequences,
                geometry=geometry, opt=opt, sched=torch.optim.lr_scheduler.LambdaLR(opt, schedule), schedule=schedule,
-               checkpoint=ck, saved_state=st)
+               checkpoint=checkpoint, saved_state=saved_state)

@@ -33,11 +33,11 @@ import os
 import time
 import warnings
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
 from rlcore import RlcoreWarning, distributed, rollout
-from rlcore.checkpoint import save_checkpoint
 from rlcore.config import Config
 from rlcore.evaluation import completion_token_ids, decode_completions, held_out
 from rlcore.forward import SharedPrompts, completion_logprobs, pack
@@ -49,8 +49,9 @@ from rlcore.losses.metrics import rollout_mismatch
 from rlcore.losses.policy import PolicyLossOptions, policy_loss
 from rlcore.model import Transformer, mix_into
 from rlcore.rewards import RewardFunctionError, RewardState, reward_extras, reward_inputs, score_completions
-from rlcore.runlog import (Progress, add_reward_metrics, drop_rows_after, log_completions, log_line, memory_metrics,
-                           record_eval, reduce_metrics, write_row)
+from rlcore.rundir import resume_from_checkpoint, save_checkpoint
+from rlcore.runlog import (Progress, add_reward_metrics, log_completions, log_line, memory_metrics, record_eval,
+                           reduce_metrics, write_row)
 from rlcore.setup import Run, setup
 from rlcore.state import RunState
 
@@ -123,32 +124,79 @@ def save(run: Run, state: RunState, at: dict) -> None:
                         run.ref if synced else None)
 
 
-def resume_from_checkpoint(run: Run, state: RunState) -> None:
-    """Restore the optimizer, schedule and `state` as the checkpoint left them, and drop the run's
-    metrics, evaluation and completion rows written after it (a crash may have left some)."""
-    saved, opt, sched = run.saved_state, run.opt, run.sched
-    if len(saved["optimizer"]["param_groups"]) != len(opt.param_groups):  # one group before weight decay
-        raise ValueError(f"{run.checkpoint} was saved by an earlier rlcore (its optimizer state has one parameter "
-                         "group, decayed or not); resume it with the rlcore version that wrote it")
-    opt.load_state_dict(saved["optimizer"])
-    sched.load_state_dict(saved["scheduler"])
-    # The saved rate came from the saved run's schedule; a resume with a larger max_steps
-    # follows this run's from here on (the same rate when max_steps is unchanged).
-    for group, base in zip(opt.param_groups, sched.base_lrs):
-        group["lr"] = base * run.schedule(sched.last_epoch)
-    state.load_state_dict(saved, run.rank)
-    if run.main:
-        metrics_file = run.dir / "metrics.jsonl"
-        if metrics_file.is_file():
-            kept_rows = metrics_file.read_text().splitlines()[:state.step]  # one row per step; later (torn) rows go
-        else:
-            warnings.warn(f"{metrics_file} is missing: its rows up to step {state.step} are lost; the rows from step "
-                          f"{state.step + 1} on go to a new one", RlcoreWarning, stacklevel=3)
-            kept_rows = []
-        metrics_file.write_text("".join(ln + "\n" for ln in kept_rows))
-        drop_rows_after(run.dir / "eval.jsonl", state.step)
-        drop_rows_after(run.dir / "completions.jsonl", state.step)
-        print(f"resumed from {run.checkpoint} at step {state.step}", flush=True)
+def sample_round(run: Run, state: RunState, rows: list[dict]) -> rollout.Rollout:
+    """Sample one completion for each of this rank's `rows` (each prompt already repeated G times,
+    so a group may straddle two ranks), with the run's sampling options and RNG."""
+    rollout_cfg, amp = run.cfg.rollout, run.cfg.train.bf16
+    run.model.eval()  # rlcore's models have no dropout: eval() and train() change no arithmetic
+    progress = Progress(f"step {state.step + 1} rollout", enabled=run.main)  # a real model on CPU: minutes
+    rows_label = f"{len(rows)} completions" + (" on rank 0" if run.world > 1 else "")
+    return rollout.generate(run.model, [ex["prompt_ids"] for ex in rows], num_generations=1,
+                            max_new_tokens=rollout_cfg.max_completion_length,
+                            eos_token_ids=run.tok.eos_token_ids, pad_token_id=run.tok.pad_token_id,
+                            temperature=rollout_cfg.temperature, top_k=rollout_cfg.top_k, top_p=rollout_cfg.top_p,
+                            min_p=rollout_cfg.min_p, repetition_penalty=rollout_cfg.repetition_penalty,
+                            stop_sequences=run.stop_sequences, generator=state.sampler,
+                            dtype=torch.bfloat16 if amp else None,
+                            progress=lambda tokens, finished: progress.report(
+                                f"{tokens}/{rollout_cfg.max_completion_length} tokens, {finished}/{rows_label} done"))
+
+
+@dataclass
+class RoundScores:
+    """A round's rewards and advantages, over every rank's rows, and what the metrics need of them."""
+    prompts: list  # this rank's rows, as the reward functions saw them
+    completions: list
+    rewards: torch.Tensor  # R [N, F]: each reward function's score, NaN where it gave none
+    advantages: torch.Tensor  # [N]
+    stats: dict  # reward statistics and reward/accuracy, on every step's metrics row
+    logged: dict[str, float]  # the reward functions' log_metric values, averaged over the round
+    extra_columns: dict[str, list]  # their log_extra columns, this rank's rows
+
+
+def score_round(run: Run, state: RunState, rows: list[dict], completion_ids: list[list[int]], round_no: int,
+                round_start: dict, saved: int) -> RoundScores:
+    """Call the reward functions on this rank's rows, then gather every rank's scores and compute
+    the group-normalised advantages over the whole round (SPEC 2). A reward function that fails on
+    any rank stops every rank; the round has changed no weight yet, so its start (`round_start`) is
+    checkpointed first when no checkpoint holds the steps taken since `saved`."""
+    cfg, world, device, n = run.cfg, run.world, run.device, run.geometry.completions_per_rank
+    loss_cfg, N, G = cfg.loss, run.geometry.completions_per_round, run.geometry.G
+    texts = decode_completions(run.tok, completion_ids)
+    prompts, completions, column_values = reward_inputs(rows, texts, run.columns)
+    logged, extra_columns = defaultdict(list), {}  # what reward functions report (log_metric, log_extra)
+    reward_state = RewardState(state.step, run.geometry.max_steps, (state.data_pos - N // G) / len(run.train_set),
+                               cfg.train.num_train_epochs)
+    reward_kwargs = reward_extras(
+        completion_ids, reward_state, log_metric=lambda name, value: logged[name].append(float(value)),
+        log_extra=lambda column, values: extra_columns.setdefault(column, []).extend(values))
+    R = failure = None
+    try:  # a failure on one rank's rows stops every rank with it (else the others wait at the next all-gather)
+        R = score_completions(run.reward_funcs, prompts, completions, column_values, loss_cfg.reward_on_error,
+                              reward_kwargs, first_row=run.rank * n)
+    except (ValueError, TypeError, RuntimeError) as e:  # RewardFunctionError is a RuntimeError
+        failure = e
+    try:
+        distributed.raise_together(failure, world)
+    except Exception:  # keep the round's start, to --resume once the function works
+        if state.step > saved:
+            save(run, state, round_start)
+        raise
+    logged = distributed.concat_over_ranks(logged, world)  # every rank's log_metric values
+    R = distributed.gather_rows(R.to(device), world)  # R (and acc below) from here: every rank's rows
+    if run.main and R.isnan().all():
+        warnings.warn(f"no reward function scored any completion of round {round_no} (all returned None or "
+                      f"NaN), so every advantage is 0 and its steps learn nothing; check loss.reward_funcs and "
+                      f"the columns they need (data.answer_column)", RlcoreWarning, stacklevel=3)
+    advantages, reward_stats = compute_advantages(R, G, loss_cfg.reward_weights, loss_cfg.scale_rewards,
+                                                  reward_names=loss_cfg.reward_funcs,
+                                                  multi_objective_aggregation=loss_cfg.multi_objective_aggregation)
+    acc = run.accuracy_fn(prompts=prompts, completions=completions, **column_values)
+    acc = distributed.gather_rows(torch.tensor([math.nan if a is None else float(a) for a in acc], device=device),
+                                  world)  # NaN: a completion the task cannot score (no answer), counted as 0
+    stats = {**reward_stats, "reward/accuracy": None if acc.isnan().all() else acc.nan_to_num(0.0).mean().item()}
+    return RoundScores(prompts, completions, R, advantages, stats, {k: sum(v) / len(v) for k, v in logged.items()},
+                       extra_columns)
 
 
 def start_new_run(run: Run, state: RunState) -> None:
@@ -176,22 +224,23 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
     the config as config.toml (the one `rlcore train --resume` reads back) once the inputs load.
     """
     run = setup(cfg, resume)  # models, tokenizer, data, reward functions, geometry, optimizer (rlcore.setup)
-    tc, lc, rc = cfg.train, cfg.loss, cfg.rollout  # the train, loss and rollout sections
+    train_cfg, loss_cfg, rollout_cfg = cfg.train, cfg.loss, cfg.rollout  # the train, loss and rollout sections
     model, ref, tok, sched = run.model, run.ref, run.tok, run.sched
     rank, world, device, main, run_dir = run.rank, run.world, run.device, run.main, run.dir
-    train_set, columns, reward_funcs, accuracy_fn = run.train_set, run.columns, run.reward_funcs, run.accuracy_fn
+    train_set = run.train_set
     # SPEC 1's batch geometry: a round is N = b*S*world completions, N/G prompts x G samples
     G, b, GA, mu, S = run.geometry.G, run.geometry.b, run.geometry.GA, run.geometry.mu, run.geometry.S
     n, N = run.geometry.completions_per_rank, run.geometry.completions_per_round
     mine = slice(rank * n, (rank + 1) * n)  # this rank's rows of the round
     max_steps, steps_per_round = run.geometry.max_steps, run.geometry.steps_per_round
     off_policy = run.geometry.off_policy  # old log-probs need a pass of their own (SPEC 1)
-    amp = tc.bf16  # bf16 autocast for the training forward passes, and a bf16 rollout
-    loss_options = PolicyLossOptions.from_config(lc)
-    state = RunState(sampler=torch.Generator(device=device).manual_seed(rc.seed + rank),  # rollout sampling
-                     shuffler=torch.Generator(device=device).manual_seed(tc.seed),  # micro-batch order
-                     bonus=EntropyBonus(lc.entropy_coef, lc.use_adaptive_entropy, lc.entropy_target,
-                                        lc.entropy_coef_delta, lc.entropy_coef_min, lc.entropy_coef_max))
+    amp = train_cfg.bf16  # bf16 autocast for the training forward passes, and a bf16 rollout
+    loss_options = PolicyLossOptions.from_config(loss_cfg)
+    state = RunState(sampler=torch.Generator(device=device).manual_seed(rollout_cfg.seed + rank),  # rollout sampling
+                     shuffler=torch.Generator(device=device).manual_seed(train_cfg.seed),  # micro-batch order
+                     bonus=EntropyBonus(loss_cfg.entropy_coef, loss_cfg.use_adaptive_entropy, loss_cfg.entropy_target,
+                                        loss_cfg.entropy_coef_delta, loss_cfg.entropy_coef_min,
+                                        loss_cfg.entropy_coef_max))
     bonus, metrics_file = state.bonus, run_dir / "metrics.jsonl"
     if run.checkpoint:  # resume: every state the next step reads, exactly as the checkpoint left it
         resume_from_checkpoint(run, state)
@@ -200,64 +249,24 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
 
     saved = state.step  # the step of the newest checkpoint (0: none yet)
     while state.step < max_steps:
-        round_start = state.resume_point()  # checkpointed if scoring fails (step 2), before the round changes any weight
+        round_start = state.resume_point()  # checkpointed if scoring fails (step 2), before any weight changes
         # 1. Rollout: G samples per prompt, token ids in and out. Every rank draws the same
         # round of prompts and samples the rows it owns (a group may straddle two ranks).
         t0 = clock(device)
-        batch = next_prompts(train_set, state.data_pos, N // G, tc.seed)
+        batch = next_prompts(train_set, state.data_pos, N // G, train_cfg.seed)
         state.data_pos += N // G
         # the round's number (for the warning below) and the step it ends at (for the note after the loop);
         # counted from data_pos and step, since a resume may start after a round that max_steps cut short
         round_no, round_end = state.data_pos // (N // G), state.step + steps_per_round
         rows = [ex for ex in batch for _ in range(G)][mine]
-        model.eval()  # rlcore's models have no dropout: eval() and train() below change no arithmetic
-        rollout_progress = Progress(f"step {state.step + 1} rollout", enabled=main)  # a real model on CPU: minutes
-        rows_label = f"{len(rows)} completions" + (" on rank 0" if world > 1 else "")
-        # num_generations=1: `rows` already repeats each prompt G times (a group may straddle two ranks)
-        ro = rollout.generate(model, [ex["prompt_ids"] for ex in rows], num_generations=1,
-                              max_new_tokens=rc.max_completion_length,
-                              eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id,
-                              temperature=rc.temperature, top_k=rc.top_k, top_p=rc.top_p, min_p=rc.min_p,
-                              repetition_penalty=rc.repetition_penalty, stop_sequences=run.stop_sequences,
-                              generator=state.sampler, dtype=torch.bfloat16 if amp else None,
-                              progress=lambda tokens, finished: rollout_progress.report(
-                                  f"{tokens}/{rc.max_completion_length} tokens, {finished}/{rows_label} done"))
+        ro = sample_round(run, state, rows)
         t_rollout = clock(device) - t0
 
         # 2. Rewards and advantages, over the whole round (all ranks) before it is cut up.
         t0 = clock(device)
         completion_ids = completion_token_ids(ro)
-        prompts, completions, column_values = reward_inputs(rows, decode_completions(tok, completion_ids), columns)
-        logged, extra_columns = defaultdict(list), {}  # what reward functions report (log_metric, log_extra)
-        reward_state = RewardState(state.step, max_steps, (state.data_pos - N // G) / len(train_set), tc.num_train_epochs)
-        reward_kwargs = reward_extras(
-            completion_ids, reward_state, log_metric=lambda name, value: logged[name].append(float(value)),
-            log_extra=lambda column, values: extra_columns.setdefault(column, []).extend(values))
-        R = failure = None
-        try:  # a failure on one rank's rows stops every rank with it (else the others wait at the next all-gather)
-            R = score_completions(reward_funcs, prompts, completions, column_values, lc.reward_on_error, reward_kwargs,
-                                  first_row=mine.start)
-        except (ValueError, TypeError, RuntimeError) as e:  # RewardFunctionError is a RuntimeError
-            failure = e
-        try:
-            distributed.raise_together(failure, world)
-        except Exception:  # the round has changed no weight: keep its start, to --resume once the function works
-            if state.step > saved:
-                save(run, state, round_start)
-            raise
-        logged = distributed.concat_over_ranks(logged, world)  # every rank's log_metric values
-        R = distributed.gather_rows(R.to(device), world)  # R (and acc below) from here: every rank's rows
-        if main and R.isnan().all():
-            warnings.warn(f"no reward function scored any completion of round {round_no} (all returned None or "
-                          f"NaN), so every advantage is 0 and its steps learn nothing; check loss.reward_funcs and "
-                          f"the columns they need (data.answer_column)", RlcoreWarning, stacklevel=2)
-        every_adv, reward_stats = compute_advantages(R, G, lc.reward_weights, lc.scale_rewards,
-                                                     reward_names=lc.reward_funcs,
-                                                     multi_objective_aggregation=lc.multi_objective_aggregation)
-        adv = every_adv[mine]
-        acc = accuracy_fn(prompts=prompts, completions=completions, **column_values)
-        acc = distributed.gather_rows(torch.tensor([math.nan if a is None else float(a) for a in acc], device=device),
-                                      world)  # NaN: a completion the task cannot score (no answer), counted as 0
+        scores = score_round(run, state, rows, completion_ids, round_no, round_start, saved)
+        adv = scores.advantages[mine]
 
         # The round as training tensors: prompt (left-padded) + completion (right-padded): ids and attn
         # [n, Lp + Tc]; cids, mask and samp [n, Tc]; adv, lengths and truncated [n].
@@ -270,38 +279,36 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         truncated = ro.truncated.to(device)
         # SPEC 4.5 applies it last, per micro-batch; once here for the round (as TRL does) the loss is the same,
         # but the entropy mask's quantile and the mismatch metrics skip truncated rows too (docs/losses.md)
-        if lc.mask_truncated_completions:
+        if loss_cfg.mask_truncated_completions:
             mask = mask_truncated(mask, truncated)
         adv = adv.to(device)
         lengths = ro.lengths.to(device)
         every_length = distributed.gather_rows(lengths, world)  # the round's completions, all ranks
         every_truncated = distributed.gather_rows(truncated.float(), world)
-        logged = {k: sum(v) / len(v) for k, v in logged.items()}  # means over the round, added to each step's row
-        round_stats = {**reward_stats,
-                       "reward/accuracy": None if acc.isnan().all() else acc.nan_to_num(0.0).mean().item(),
+        round_stats = {**scores.stats,
                        "completion/len_mean": every_length.float().mean().item(),
                        "completion/len_min": every_length.min().item(), "completion/len_max": every_length.max().item(),
                        "completion/truncated_frac": every_truncated.mean().item(),
                        "tokens_per_s/rollout": every_length.sum().item() / max(t_rollout, 1e-9)}
-        if tc.log_completions:  # every rank's texts and log_extra columns; rank 0 writes them
-            texts = distributed.gather_objects((prompts, completions, extra_columns), world)
+        if train_cfg.log_completions:  # every rank's texts and log_extra columns; rank 0 writes them
+            texts = distributed.gather_objects((scores.prompts, scores.completions, scores.extra_columns), world)
             if main:
-                log_completions(run_dir, state.step + 1, texts, R, every_adv, every_length, lc.reward_funcs,
-                                tc.num_completions_to_print)
+                log_completions(run_dir, state.step + 1, texts, scores.rewards, scores.advantages, every_length,
+                                loss_cfg.reward_funcs, train_cfg.num_completions_to_print)
         t_score = clock(device) - t0
 
         # 3. old log-probs only when the round is off-policy (or TIS needs them); ref only if beta.
         t0 = clock(device)
         model.train()
         old = ref_lp = tis = None
-        if off_policy or lc.tis_mode:
-            old = logprobs_in_batches(model, ids, attn, Lp, cids, b, rc.temperature, amp,
+        if off_policy or loss_cfg.tis_mode:
+            old = logprobs_in_batches(model, ids, attn, Lp, cids, b, rollout_cfg.temperature, amp,
                                       Progress(f"step {state.step + 1} old log-probs", enabled=main))
-        if lc.beta:
-            ref_lp = logprobs_in_batches(ref, ids, attn, Lp, cids, b, rc.temperature, amp,
+        if loss_cfg.beta:
+            ref_lp = logprobs_in_batches(ref, ids, attn, Lp, cids, b, rollout_cfg.temperature, amp,
                                          Progress(f"step {state.step + 1} ref log-probs", enabled=main))
-        if lc.tis_mode:
-            tis = tis_weights(old, samp, mask, lc.tis_mode, min=lc.tis_min, max=lc.tis_max)
+        if loss_cfg.tis_mode:
+            tis = tis_weights(old, samp, mask, loss_cfg.tis_mode, min=loss_cfg.tis_min, max=loss_cfg.tis_max)
         t_old = clock(device) - t0
         # Engine vs trainer log-probs: over the round from `old` when it was computed, else per
         # micro-batch from logp.detach() (on-policy, every micro-batch runs before the step).
@@ -329,31 +336,32 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                 shared = SharedPrompts.build(model, ids[step_rows], attn[step_rows], Lp, amp, max_prompts=b)
                 update_progress = Progress(f"step {state.step + 1} update", enabled=main)
                 for j, mb in enumerate(step_micro, 1):  # mb: the micro-batch's rows
-                    logp, entropy = completion_logprobs(model, ids[mb], attn[mb], Lp, cids[mb], rc.temperature, amp,
-                                                        shared)  # entropy is differentiable: the bonus below
+                    # entropy is differentiable: the bonus below
+                    logp, entropy = completion_logprobs(model, ids[mb], attn[mb], Lp, cids[mb],
+                                                        rollout_cfg.temperature, amp, shared)
                     # 5. Loss: per token (SPEC 3-4), then this micro-batch's share of the step's (SPEC 5).
                     # The entropy mask (an all-gather under torchrun), once for the loss and the bonus.
-                    entropy_keep = None if lc.top_entropy_quantile == 1.0 else \
-                        entropy_mask(entropy.detach(), mask[mb], lc.top_entropy_quantile,
+                    entropy_keep = None if loss_cfg.top_entropy_quantile == 1.0 else \
+                        entropy_mask(entropy.detach(), mask[mb], loss_cfg.top_entropy_quantile,
                                      functools.partial(distributed.gather_uneven, world=world))
                     # pi_old. On-policy the policy has not moved since it sampled the round, so pi_old is the
                     # current policy: the ratio is 1 in value, the gradient REINFORCE's with the group baseline,
                     # and clip_ratio/* are 0, as expected (SPEC 1).
                     old_mb = logp.detach() if old is None else old[mb]
-                    per_token, diag = policy_loss(
+                    per_token, diagnostics = policy_loss(
                         logp, old_mb, adv[mb], mask[mb], options=loss_options,
                         ref=None if ref_lp is None else ref_lp[mb], tis_weights=None if tis is None else tis[mb],
                         entropy=entropy.detach(), entropy_keep=entropy_keep, samp=samp[mb])
-                    loss = aggregate_loss(per_token, mask[mb], lc.loss_type, gradient_accumulation_steps=GA,
-                                          max_completion_length=rc.max_completion_length,
+                    loss = aggregate_loss(per_token, mask[mb], loss_cfg.loss_type, gradient_accumulation_steps=GA,
+                                          max_completion_length=rollout_cfg.max_completion_length,
                                           step_tokens=step_tokens, world_size=world)
                     if bonus.enabled:  # loss.entropy_coef: over the tokens the policy loss trains on
                         loss = loss - bonus.term(entropy, mask[mb] if entropy_keep is None else entropy_keep, GA)
                     loss.backward()
                     if mismatch is None:  # on-policy: from this micro-batch's own log-probs
-                        diag.update(rollout_mismatch(logp.detach(), samp[mb], mask[mb]))  # its `tokens` = diag's
+                        diagnostics.update(rollout_mismatch(logp.detach(), samp[mb], mask[mb]))  # its `tokens` = diag's
                     # one host sync per value: free on CPU, a wait for the GPU's queue on CUDA
-                    step_metrics.append({"loss": loss.item(), **{key: float(v) for key, v in diag.items()}})
+                    step_metrics.append({"loss": loss.item(), **{key: float(v) for key, v in diagnostics.items()}})
                     if j < len(step_micro):
                         update_progress.report(f"micro-batch {j}/{len(step_micro)}")
 
@@ -367,30 +375,32 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                     warnings.simplefilter("ignore" if not finite else "default", UserWarning)
                     sched.step()
                 state.step += 1
-                if lc.sync_ref_model and state.step % lc.ref_model_sync_steps == 0:
-                    mix_into(ref, model, lc.ref_model_mixup_alpha)  # TR-DPO; the next round's ref log-probs use it
+                if loss_cfg.sync_ref_model and state.step % loss_cfg.ref_model_sync_steps == 0:
+                    # TR-DPO; the next round's ref log-probs use it
+                    mix_into(ref, model, loss_cfg.ref_model_mixup_alpha)
 
                 # 6. Metrics (SPEC 6): the round's statistics + this step's diagnostics, all ranks. The
                 # round's phase times go on its first step (0 on the others), so times sum over steps.
                 t_step = clock(device) - update_start
-                met = {"step": state.step, "epoch": replay, **round_stats, **reduce_metrics(step_metrics, world, device),
+                row = {"step": state.step, "epoch": replay, **round_stats,
+                       **reduce_metrics(step_metrics, world, device),
                        **(mismatch or {}), "grad_norm": grad_norm.item(), "lr": lr, "skipped": not finite,
                        "nonfinite_total": state.nonfinite_total, **round_times, "time/update": t_step,
                        "tokens_per_s/train": step_completion_tokens / max(t_step, 1e-9)}
                 if bonus.enabled:  # TRL logs the coefficient after adaptation, for the next step
-                    met["entropy_coef"], met["entropy_coef/applied"] = bonus.coef, applied
+                    row["entropy_coef"], row["entropy_coef/applied"] = bonus.coef, applied
                 if bonus.adaptive:  # what the controller compared with entropy_target (the bonus's tokens)
-                    met["entropy_coef/entropy"] = bonus.last_entropy
-                add_reward_metrics(met, logged)
+                    row["entropy_coef/entropy"] = bonus.last_entropy
+                add_reward_metrics(row, scores.logged)
                 round_times = dict.fromkeys(round_times, 0.0)
-                met.update(memory_metrics(device, world))
+                row.update(memory_metrics(device, world))
                 if main:
-                    write_row(metrics_file, met)
-                if main and (state.step % tc.logging_steps == 0 or state.step in (1, max_steps)):
-                    print(log_line(state.step, max_steps, met), flush=True)
-                if state.nonfinite_in_row >= tc.max_nonfinite_steps:  # after this step's metrics row
+                    write_row(metrics_file, row)
+                if main and (state.step % train_cfg.logging_steps == 0 or state.step in (1, max_steps)):
+                    print(log_line(state.step, max_steps, row), flush=True)
+                if state.nonfinite_in_row >= train_cfg.max_nonfinite_steps:  # after this step's metrics row
                     raise FloatingPointError(f"{state.nonfinite_in_row} non-finite steps in a row "
-                                             f"(train.max_nonfinite_steps={tc.max_nonfinite_steps}); lower the "
+                                             f"(train.max_nonfinite_steps={train_cfg.max_nonfinite_steps}); lower the "
                                              f"learning rate or check rewards")
                 step_metrics, update_start = [], clock(device)
                 if state.step >= max_steps:
@@ -401,7 +411,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         # Eval and checkpoint at round boundaries: a checkpoint holds no half round, except the
         # last one when max_steps ends the run inside a round (the note below says so).
         # (`step % k < steps_per_round`: a multiple of k fell inside the round just trained)
-        if tc.eval_steps and state.step % tc.eval_steps < steps_per_round and state.step < max_steps:
+        if train_cfg.eval_steps and state.step % train_cfg.eval_steps < steps_per_round and state.step < max_steps:
             try:
                 evaluation = held_out(run, state)
             except (RewardFunctionError, TypeError, ValueError):  # a reward function's (every rank raises it)
@@ -410,7 +420,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                 raise
             if main:
                 record_eval(run_dir, state.step, evaluation)
-        if (tc.save_steps and state.step % tc.save_steps < steps_per_round) or state.step >= max_steps:
+        if (train_cfg.save_steps and state.step % train_cfg.save_steps < steps_per_round) or state.step >= max_steps:
             save(run, state, state.resume_point())
             saved = state.step
 

@@ -334,7 +334,7 @@ def test_missing_shard_named(hf_checkpoint, tmp_path):
 
 
 def test_latest_naming_a_missing_checkpoint_says_missing_and_names_the_one_kept(tmp_path):
-    from rlcore.checkpoint import latest_checkpoint
+    from rlcore.rundir import latest_checkpoint
 
     for name in ("checkpoint-2", "checkpoint-10", "checkpoint-12.tmp"):  # the last is no checkpoint name
         (tmp_path / name).mkdir()
@@ -356,7 +356,7 @@ def test_latest_naming_a_missing_checkpoint_says_missing_and_names_the_one_kept(
 
 
 def test_a_trainer_state_rlcore_did_not_write_is_named_with_the_keys_it_lacks(tmp_path):
-    from rlcore.checkpoint import load_trainer_state
+    from rlcore.rundir import load_trainer_state
 
     ck = tmp_path / "checkpoint-2"
     (ck / "model").mkdir(parents=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlcore.checkpoint import kept_checkpoint
+from rlcore.rundir import kept_checkpoint
 from rlcore.cli import interrupt, main
 from rlcore.state import read_state, write_state
 from test_train import NUM_EVAL, SEED, SMALL, cli_args, rows, weights
@@ -116,7 +116,7 @@ def test_cli_resume_keeps_the_embedded_model_its_data_seed_built(tmp_path, capsy
 def test_cli_resume_with_other_data_says_what_changed(tmp_path, capsys, monkeypatch):
     """Another data.path / seed / num_train on --resume (was silent): the checkpoint's data position
     counts rows of the old order, and the held-out set is drawn again."""
-    from rlcore.config import changed_data
+    from rlcore.rundir import changed_data
     from rlcore.options import DataArgs
 
     run = tmp_path / "run"
@@ -197,7 +197,7 @@ def test_cli_sigterm_stops_the_run_as_ctrl_c_does(tmp_path, capsys, monkeypatch)
         return kept_checkpoint(run)
 
     monkeypatch.setattr("rlcore.train.train", terminated)
-    monkeypatch.setattr("rlcore.checkpoint.kept_checkpoint", second_sigterm_while_reporting)
+    monkeypatch.setattr("rlcore.rundir.kept_checkpoint", second_sigterm_while_reporting)
     before = signal.getsignal(signal.SIGTERM)
     try:
         code = main(["train", "--resume", str(run), "--set", "train.max_steps=2"])
@@ -345,7 +345,7 @@ def test_a_new_run_may_share_its_directory_with_a_log_and_dotfiles(tmp_path, cap
 
 
 def test_checkpoint_rotation_deletes_only_rlcore_checkpoints(tmp_path):
-    from rlcore.checkpoint import checkpoints
+    from rlcore.rundir import checkpoints
 
     run = tmp_path / "run"
     for step in (1, 2, 3):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlcore import EMBEDDED_DEFAULT, RlcoreWarning
-from rlcore.checkpoint import RUN_CONFIG_HEADER
+from rlcore.config import RUN_CONFIG_HEADER
 from rlcore.config import Config, ConfigError, config_to_dict, dump_config, load_config, parse_override
 from rlcore.options import SECTIONS, field_docs, options_table
 from rlcore.validation import validate

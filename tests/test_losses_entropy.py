@@ -56,7 +56,7 @@ def test_a_static_coefficient_applies_from_the_first_step_and_never_moves():
 def test_adaptive_control_follows_the_token_mean_entropy_of_each_step():
     """Skywork-OR1 / TRL: applied only while the last step's entropy <= target (never at step 1);
     after each step coef += delta if that step's entropy <= target, else -= delta, within [lo, hi]."""
-    bonus = EntropyBonus(0.01, adaptive=True, target=2.0, delta=0.02, lo=0.0, hi=0.04)
+    bonus = EntropyBonus(0.01, adaptive=True, target=2.0, delta=0.02, coef_min=0.0, coef_max=0.04)
     low = torch.tensor([[1.0, 1.5]])    # mean 1.25 <= target
     high = torch.tensor([[3.0, 3.0]])   # mean 3 > target
     on = torch.ones(1, 2)
@@ -75,7 +75,7 @@ def test_adaptive_control_follows_the_token_mean_entropy_of_each_step():
     assert bonus.term(low, on, 2) == 0.0  # gated off: nothing to differentiate
 
     saved = bonus.state_dict()
-    again = EntropyBonus(0.5, adaptive=True, target=2.0, delta=0.02, lo=0.0, hi=0.04)
+    again = EntropyBonus(0.5, adaptive=True, target=2.0, delta=0.02, coef_min=0.0, coef_max=0.04)
     assert again.last_entropy == math.inf and again.applied() == 0.0
     again.load_state_dict(saved)
     assert (again.coef, again.last_entropy) == (bonus.coef, bonus.last_entropy)

@@ -28,7 +28,8 @@ from rlcore.data import DataError
 from rlcore.embedded import build_embedded_model
 from rlcore.state import read_state
 from rlcore.tokenizer import Tokenizer
-from rlcore.checkpoint import latest_checkpoint, load_model
+from rlcore.checkpoint import load_model
+from rlcore.rundir import latest_checkpoint
 from rlcore.tasks import unique_problems
 from rlcore.train import train
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import rlcore.train
-from rlcore.checkpoint import latest_checkpoint
+from rlcore.rundir import latest_checkpoint
 from rlcore.cli import main
 from rlcore.train import train
 from test_train import cli_args, config, rows, run_and_crash, torchrun, weights, without_timing

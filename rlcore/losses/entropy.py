@@ -10,7 +10,7 @@ distributions (exploration), a negative one penalises them.
 Adaptive control (Skywork-OR1, arXiv:2505.22312; TRL's `use_adaptive_entropy`): after every
 optimizer step the coefficient moves by `delta` towards keeping the step's entropy (token mean
 over all its micro-batches and ranks) above `target`: up when the entropy is at or below it,
-down otherwise, within [lo, hi]. The bonus applies only while the previous step's entropy is at
+down otherwise, within [coef_min, coef_max]. The bonus applies only while the previous step's entropy is at
 or below the target (none before the first measurement).
 """
 
@@ -32,9 +32,9 @@ class EntropyBonus:
     """The coefficient and, with adaptive control, its state across steps (saved for --resume)."""
 
     def __init__(self, coef: float, adaptive: bool = False, target: float = 0.2, delta: float = 0.005,
-                 lo: float = 0.0, hi: float = 1.0):
+                 coef_min: float = 0.0, coef_max: float = 1.0):
         self.coef, self.adaptive = coef, adaptive
-        self.target, self.delta, self.lo, self.hi = target, delta, lo, hi
+        self.target, self.delta, self.coef_min, self.coef_max = target, delta, coef_min, coef_max
         self.last_entropy = math.inf  # no bonus until a step has measured the entropy
         self.window = [0.0, 0.0]      # this step's sum of H * on, and of on, on this rank
 
@@ -67,9 +67,9 @@ class EntropyBonus:
         self.window = [0.0, 0.0]
         self.last_entropy = total / max(count, 1.0)
         if self.last_entropy <= self.target:
-            self.coef = min(self.coef + self.delta, self.hi)
+            self.coef = min(self.coef + self.delta, self.coef_max)
         else:
-            self.coef = max(self.coef - self.delta, self.lo)
+            self.coef = max(self.coef - self.delta, self.coef_min)
 
     def state_dict(self) -> dict:
         return {"coef": self.coef, "last_entropy": self.last_entropy}
