@@ -159,7 +159,7 @@ class LossArgs:
     reward_weights: list[float] | None = None
     """weight of each reward function, same order as reward_funcs; None = all 1.0"""
     reward_funcs: list[str] = field(default_factory=lambda: ["accuracy"])
-    """reward functions: built-in names (rlcore.rewards.REWARDS) or "module:function" of your own"""
+    """reward functions: built-in names (rlcore.answers.REWARDS) or "module:function" of your own"""
     reward_on_error: Literal["raise", "none"] = "raise"
     """a reward function that raises stops the run ("raise") or scores that completion None ("none")"""
 

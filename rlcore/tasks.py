@@ -4,10 +4,10 @@ Prompts and answers are a few characters long so that the tiny embedded model (o
 character) can learn them on a CPU in minutes.
 
 - `arithmetic`: `"27+35="` -> `"62"`; operands 0..49, addition (subtraction available, never negative).
-  Scored by the `accuracy` reward.
+  Scored by the `accuracy` reward (answers.py).
 - `countdown`: `"Make 14 from 2 3 4:"` -> an expression such as `"(3+4)*2"` that uses each number
   once with + - * / and equals the target. Many expressions are right; `answer` is one of them.
-  Scored by the `countdown` reward, which evaluates the expression safely (no `eval`).
+  Scored by the `countdown` reward (answers.py), which evaluates the expression safely (no `eval`).
 
 Every example is a dict with `prompt` and `answer` plus the task's own columns, which reward
 functions receive as keyword arguments. `train_eval_split` holds out evaluation problems that

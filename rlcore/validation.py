@@ -15,8 +15,8 @@ import typing
 import warnings
 
 from rlcore import ConfigError, RlcoreWarning
+from rlcore.answers import REWARDS
 from rlcore.geometry import Geometry
-from rlcore.rewards import REWARDS
 from rlcore.tasks import TASK_REWARD
 
 if typing.TYPE_CHECKING:

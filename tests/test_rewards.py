@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from rlcore.rewards import (REWARDS, accuracy, check_countdown, check_reward_funcs, countdown, dataset_columns,
-                            evaluate_expression, extract_answer, format_reward, get_reward_funcs, reward_inputs,
-                            score_completions)
+from rlcore.answers import (REWARDS, accuracy, check_countdown, countdown, evaluate_expression, extract_answer,
+                            format_reward)
+from rlcore.rewards import check_reward_funcs, dataset_columns, get_reward_funcs, reward_inputs, score_completions
 
 
 @pytest.mark.parametrize("text, answer", [
@@ -186,7 +186,7 @@ def test_get_reward_funcs_returns_registry_entries():
 
 
 def test_get_reward_funcs_loads_module_function():
-    assert get_reward_funcs(["rlcore.rewards:accuracy"]) == [accuracy]
+    assert get_reward_funcs(["rlcore.answers:accuracy"]) == [accuracy]
 
 
 def test_get_reward_funcs_unknown_name_lists_valid_names():

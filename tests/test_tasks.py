@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from rlcore.rewards import REWARDS
+from rlcore.answers import REWARDS
 from rlcore.tasks import TASK_REWARD, TASKS, arithmetic_problems, make_task, train_eval_split, unique_problems
 
 
