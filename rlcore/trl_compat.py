@@ -66,7 +66,7 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
                               "Liger's fused loss saves, and on CUDA their softmax passes run in rlcore's own fused "
                               "kernels (rlcore/cuda)"),
     "activation_checkpointing_kwargs": (ANY, "train.gradient_checkpointing always recomputes without reentrancy"),
-    "torch_compile": (ANY, "rlcore runs eager (the same computation; README's benchmarks say what compiling gained)"),
+    "torch_compile": (ANY, "rlcore runs eager (the same computation; docs/benchmarks.md says what compiling gained)"),
     "use_cpu": ((False,), "set train.device = 'cpu'"),
     "tf32": (ANY, "rlcore leaves fp32 matmuls at full precision; for speed on GPU set train.bf16 = true"),
     "deepspeed": ((None,), "rlcore's data parallelism is torchrun --nproc_per_node=N (rlcore.distributed)"),
@@ -177,7 +177,7 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
 # latter being how TRL aggregates that loss. A config layer that sets one sets both.
 LOSS_TYPES = {"cispo": ("cispo", "dapo"), "sapo": ("sapo", "grpo"), "vespo": ("vespo", "dapo")}
 
-# rlcore defaults that differ from TRL 1.16's and change what a run computes (the README's table
+# rlcore defaults that differ from TRL 1.16's and change what a run computes (docs/trl.md's table
 # of defaults that differ): (section, option) -> TRL's default. A config file written in TRL's
 # flat keys that leaves one of them unset gets a warning naming it (use_bias_correction_kl only
 # with beta != 0, where there is a KL term).
@@ -319,4 +319,4 @@ def warn_trl_defaults(config: Config, path: str, given: set[tuple[str, str]]) ->
     if unset:
         warnings.warn(f"config file {path} is written in TRL's flat keys but leaves options unset whose value "
                       f"here is not TRL's default: {', '.join(unset)}; set them in the file to train as TRL would "
-                      "(README, 'Defaults that differ from TRL 1.16's')", RlcoreWarning, stacklevel=3)
+                      "(docs/trl.md, 'Defaults that differ from TRL 1.16's')", RlcoreWarning, stacklevel=3)

@@ -52,7 +52,7 @@ def test_defaults_are_spec_section_7():
     assert c.rollout.max_completion_length == 512
 
 
-# rlcore's defaults that differ from TRL 1.16's GRPOConfig: README's table "Defaults that differ
+# rlcore's defaults that differ from TRL 1.16's GRPOConfig: docs/trl.md's table "Defaults that differ
 # from TRL 1.16's" (bf16: TRL's None becomes True), or rlcore sections' own meaning of a shared name
 DIFFERENT_FROM_TRL = {"train.max_steps", "train.lr_scheduler_type", "train.bf16", "train.gradient_checkpointing",
                       "train.logging_steps", "train.save_steps", "train.save_total_limit", "train.eval_steps",
@@ -243,7 +243,7 @@ def test_a_trl_style_file_is_told_which_unset_options_differ_from_trls_defaults(
     said = [str(w.message) for w in caught if "TRL's flat keys" in str(w.message)]
     assert said == ([] if unset is None else [f"config file {path} is written in TRL's flat keys but leaves options "
                                                f"unset whose value here is not TRL's default: {unset}; set them in "
-                                               f"the file to train as TRL would (README, 'Defaults that differ from "
+                                               f"the file to train as TRL would (docs/trl.md, 'Defaults that differ from "
                                                f"TRL 1.16's')"])
     with warnings.catch_warnings(record=True) as caught:  # set on the command line counts as set
         warnings.simplefilter("always")

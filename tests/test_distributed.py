@@ -140,7 +140,7 @@ sys.exit(main(sys.argv[1:]))
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
 def test_two_ranks_train_as_one_rank_with_micro_batches_twice_as_large(loss_type, qwen_dir, tmp_path):
-    """README: with S = GA, P ranks of b-row micro-batches train as one process of b*P-row ones, to
+    """docs/distributed.md: with S = GA, P ranks of b-row micro-batches train as one process of b*P-row ones, to
     fp32 rounding, on the same completions (an optimizer step then spans the whole round on every
     rank, whatever each rank's shuffle). 2 gloo ranks x b = 3 against one process with b = 6, over
     4 optimizer steps of mu = 2 replays with GA = 2: the same rewards, gradient norms and weights."""

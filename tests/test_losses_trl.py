@@ -15,7 +15,7 @@ KL / entropy metrics TRL logs must agree. The model forward is replaced by the g
 (TRL's _get_per_token_logps_and_entropies), so this tests the loss alone; the log-probs
 themselves are tested against transformers in test_model.py and test_shared_prompt.py, and the
 whole loop against TRL's GRPOTrainer in test_train_trl.py. A case with beta sets
-use_bias_correction_kl, whose default differs (README: defaults that differ from TRL's).
+use_bias_correction_kl, whose default differs (docs/trl.md: defaults that differ from TRL's).
 """
 
 import os

@@ -157,7 +157,7 @@ def test_incomplete_rope_scaling_is_named(scaling, message):
 
 @pytest.mark.parametrize("kind", ["yarn", "dynamic", "longrope"])
 def test_rope_types_rlcore_does_not_compute_are_rejected_by_name(kind):
-    """README: never approximated by another type, as a default rope would (transformers computes them)."""
+    """docs/verified.md: never approximated by another type, as a default rope would (transformers computes them)."""
     d = {"model_type": "qwen2", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
          "num_hidden_layers": 1, "num_attention_heads": 2,
          "rope_scaling": {"rope_type": kind, "factor": 4.0, "original_max_position_embeddings": 32}}

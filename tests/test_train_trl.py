@@ -12,7 +12,7 @@ round drew. TRL shuffles a round's rows with the global RNG and rlcore with its 
 by `seed`; TRL is given the permutations rlcore draws, so both cut the round into the same
 micro-batches.
 
-Where rlcore differs from TRL on purpose (README, defaults that differ from TRL's), the cases step
+Where rlcore differs from TRL on purpose (docs/trl.md, defaults that differ from TRL's), the cases step
 around it: each names lr_scheduler_type (rlcore's default is constant, TRL's linear), none warms up
 (rlcore's warmup runs step s at (s+1)/(W+1), TRL's at s/W), and the off-policy case is not dapo
 (with steps_per_generation > GA, TRL's dapo divides by the round's tokens * GA / S, rlcore's by the

@@ -55,7 +55,7 @@ def log_importance_weights(logp: Tensor, old: Tensor, mask: Tensor, level: str =
 @dataclass
 class PolicyLossOptions:
     """`policy_loss`'s options: each field is the config's [loss] option of the same name, with
-    its default (rlcore/config.py's LossArgs documents them); `from_config` copies them."""
+    its default (rlcore/options.py's LossArgs documents them); `from_config` copies them."""
 
     policy_loss: str = "ppo"                  # which of LOSSES gives l_pg
     importance_sampling_level: str = "token"  # LEVELS: the ratio per token or per sequence
