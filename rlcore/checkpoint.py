@@ -63,9 +63,9 @@ def check_model_dir(path: Path) -> None:
         raise CheckpointError(f"{path} is an rlcore run directory; its newest model is "
                               f"{path / (path / 'latest').read_text().strip() / 'model'}: give that directory")
     if (path / "adapter_config.json").is_file():
-        raise CheckpointError(f"{path} is a LoRA adapter (adapter_config.json), not a model; merge it into its base "
-                              f"model first (peft: PeftModel.from_pretrained(base, dir).merge_and_unload()"
-                              f".save_pretrained(out), with the tokenizer) and give that directory")
+        raise CheckpointError(f"{path} is a LoRA adapter (adapter_config.json), not a model; train from it with "
+                              f"--set lora.enabled=true --set lora.adapter_path={path} and model.path = its base "
+                              f"model (adapter_config.json's base_model_name_or_path)")
     raise CheckpointError(f"{path / 'config.json'}: missing config.json; a Hugging Face checkpoint directory "
                           "holds config.json, model.safetensors and tokenizer.json")
 

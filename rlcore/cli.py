@@ -158,6 +158,10 @@ def run_command(argv: list[str] | None = None) -> int:
     p.epilog = ("Every option, with its default: rlcore options. A TRL GRPOConfig name works as it is, in a TOML "
                 f"file or as --set beta=0.04. {TRACEBACK_VAR}=1 rlcore train ... prints an error's traceback.")
     sub.add_parser("options", help="print every config option with its type, default and meaning")
+    p = sub.add_parser("export", help="write a run's newest model (LoRA adapters merged in) as a Hugging Face "
+                                      "checkpoint")
+    p.add_argument("source", help="a run directory (its newest checkpoint) or one checkpoint-<step> directory")
+    p.add_argument("out", help="the directory to write (config.json, model.safetensors, tokenizer files)")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{unknown_argument_hint(unknown, argv)}")
@@ -167,6 +171,15 @@ def run_command(argv: list[str] | None = None) -> int:
 
     if args.command == "options":
         print(options_table())
+        return 0
+    if args.command == "export":
+        from rlcore.rundir import export
+
+        try:
+            print(f"wrote {export(Path(args.source), Path(args.out))}")
+        except (OSError, ValueError) as e:  # CheckpointError is a ValueError
+            report(f"rlcore: error: {e}")
+            return 1
         return 0
 
     from rlcore.rundir import kept_checkpoint, recorded_ranks, resume_command

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlcore import EMBEDDED_DEFAULT, ConfigError, RlcoreWarning, trl_compat
-from rlcore.options import (SECTIONS, DataArgs, LossArgs, ModelArgs, RolloutArgs, TrainArgs, accepts, check_type,
+from rlcore.options import (SECTIONS, DataArgs, LoraArgs, LossArgs, ModelArgs, RolloutArgs, TrainArgs, accepts, check_type,
                             field_names, sections_with, shell_set, toml_literal, toml_value)
 from rlcore.validation import validate
 
@@ -51,6 +51,8 @@ class Config:
     """rewards, advantages and the policy loss"""
     train: TrainArgs = field(default_factory=TrainArgs)
     """batching, optimizer and bookkeeping"""
+    lora: LoraArgs = field(default_factory=LoraArgs)
+    """LoRA adapters instead of training every weight"""
 
     def __post_init__(self):
         for section, key in (*PATH_OPTIONS, ("train", "output_dir")):  # "~/ckpt" as a shell would read it
@@ -127,7 +129,8 @@ RUN_CONFIG_HEADER = "# rlcore: this run's configuration, which rlcore train --re
 EMBEDDED_MODEL_PATHS = ("", "embedded")
 """The model.path values that name the embedded tiny model (built and cached on first use)."""
 
-PATH_OPTIONS = (("model", "path"), ("model", "ref_path"), ("data", "path"), ("data", "eval_path"))
+PATH_OPTIONS = (("model", "path"), ("model", "ref_path"), ("data", "path"), ("data", "eval_path"),
+                ("lora", "adapter_path"))
 """The options that name files or directories (relative ones are taken from the current directory)."""
 
 

@@ -1,4 +1,4 @@
-"""Every option rlcore takes: the five sections of a config as dataclasses, with their defaults
+"""Every option rlcore takes: the six sections of a config as dataclasses, with their defaults
 and one docstring line per field, and the types their values may take.
 
 Option names are TRL `GRPOConfig`'s wherever TRL has the option, so a TRL config carries across
@@ -226,8 +226,30 @@ class TrainArgs:
     """most tokens per completion at evaluation (greedy); None = rollout.max_completion_length"""
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The projections LoRA adapters can go on (Hugging Face's names; 'all-linear' is every one)."""
+
+
+@dataclass
+class LoraArgs:
+    enabled: bool = False
+    """train LoRA adapters (PEFT's format) instead of every weight; the base stays frozen (TRL: use_peft)"""
+    r: int = 16
+    """adapter rank (TRL: lora_r)"""
+    alpha: float = 32.0
+    """adapter scale numerator: the update is alpha / r * B @ A (TRL: lora_alpha)"""
+    dropout: float = 0.05
+    """dropout on the adapters' input in the update's passes, not in the rollout, old or ref passes (TRL: lora_dropout)"""
+    target_modules: str | list[str] = "all-linear"
+    """'all-linear' or names among q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (TRL: lora_target_modules)"""
+    use_rslora: bool = False
+    """rank-stabilised scale alpha / sqrt(r) (Kalajdzievski 2023) instead of alpha / r (TRL: use_rslora)"""
+    adapter_path: str | None = None
+    """start from this PEFT adapter directory (adapter_config.json); with loss.beta it is also the KL reference"""
+
+
 SECTIONS: dict[str, type] = {"model": ModelArgs, "data": DataArgs, "rollout": RolloutArgs,
-                             "loss": LossArgs, "train": TrainArgs}
+                             "loss": LossArgs, "train": TrainArgs, "lora": LoraArgs}
 
 
 def sections_with(key: str) -> list[str]:

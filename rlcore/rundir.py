@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING
 from safetensors import SafetensorError
 
 from rlcore import RlcoreWarning
-from rlcore.checkpoint import CheckpointError, fsync_dir, load_model, save_model
+from rlcore.checkpoint import CheckpointError, check_model_dir, fsync_dir, load_model, save_model
 from rlcore.config import EMBEDDED_MODEL_PATHS, RUN_CONFIG_HEADER, Config
+from rlcore.lora import load_adapter, lora_parameters, merge_lora, read_adapter_config, save_adapter
 from rlcore.model import Transformer
 from rlcore.options import DataArgs
 from rlcore.runlog import drop_rows_after
@@ -92,7 +93,8 @@ def check_new_run_dir(run: Path) -> None:
 
 def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep: int | None = 2,
                     ref=None) -> Path:
-    """run/checkpoint-<step>/: HF weights + tokenizer + trainer state (+ `ref_model/`, HF weights
+    """run/checkpoint-<step>/: HF weights (`model/`; with LoRA the adapters, `adapter/`) + tokenizer +
+    trainer state (+ `ref_model/`, HF weights
     of a reference model that training has changed, when `ref` is given), then `latest` points to it.
 
     The directory is written under a temporary name and renamed, and `latest` is replaced
@@ -107,7 +109,12 @@ def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep
     shutil.rmtree(tmp, ignore_errors=True)
     extra = {n: source / n for n in TOKENIZER_FILES if (source / n).is_file()}
     try:
-        save_model(model, tmp / "model", extra_files=extra)
+        if lora_parameters(model):  # the base never changes: the adapters, in PEFT's format
+            save_adapter(model, tmp / "adapter", base_model_name_or_path=os.path.abspath(source))
+            for name, file in extra.items():
+                shutil.copyfile(file, tmp / "adapter" / name)
+        else:
+            save_model(model, tmp / "model", extra_files=extra)
         if ref is not None:
             save_model(ref, tmp / "ref_model")
         write_state(tmp, state)
@@ -293,3 +300,21 @@ def resume_from_checkpoint(run: Run, state: RunState) -> None:
         drop_rows_after(run.dir / "eval.jsonl", state.step)
         drop_rows_after(run.dir / "completions.jsonl", state.step)
         print(f"resumed from {run.checkpoint} at step {state.step}", flush=True)
+
+
+def export(source: Path, out: Path) -> Path:
+    """Write the model of a run's newest checkpoint (or of `source` itself, when it is a checkpoint)
+    to `out` as a Hugging Face checkpoint that transformers loads, with its tokenizer files: a LoRA
+    run's base with the adapters merged in (W + scale * B @ A), in the base's dtype."""
+    checkpoint = source if has_state(source) else latest_checkpoint(source)
+    if (checkpoint / "model").is_dir():
+        model, files = load_model(checkpoint / "model", "auto"), checkpoint / "model"
+    else:
+        adapter = checkpoint / "adapter"
+        base = Path(read_adapter_config(adapter).get("base_model_name_or_path") or "")
+        check_model_dir(base)  # a moved base: the message names the path the adapter records
+        model, files = load_model(base, "auto"), adapter
+        load_adapter(model, adapter)
+        merge_lora(model)
+    extra = {name: files / name for name in TOKENIZER_FILES if (files / name).is_file()}
+    return save_model(model, out, extra_files=extra)

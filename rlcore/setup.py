@@ -8,6 +8,7 @@ functions, optimizer and schedule. The helpers above it each build one of those.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import os
@@ -25,10 +26,11 @@ from rlcore.data import encode_prompts, load_examples
 from rlcore.embedded import build_embedded_model, cache_dir_name, why_a_model_of_its_own
 from rlcore.geometry import Geometry
 from rlcore.model import Transformer, weight_layout_difference
-from rlcore.options import TrainArgs
+from rlcore.lora import apply_lora, keep_as_reference, load_adapter, reference_adapters
+from rlcore.options import LoraArgs, TrainArgs
 from rlcore.rewards import REWARD_EXTRAS, check_reward_funcs, dataset_columns, get_reward_funcs
 from rlcore.rundir import (changed_data, check_new_run_dir, check_resumed_model, checkpoint_step, latest_checkpoint,
-                           load_resumed_model, load_trainer_state, resume_command)
+                           load_resumed_model, load_trainer_state, resume_command, way_back)
 from rlcore.tasks import TASK_REWARD, unique_problems
 from rlcore.tokenizer import Tokenizer, check_vocab_fits
 from rlcore.validation import validate, warn_bf16_weights
@@ -69,8 +71,9 @@ def reuse_freed_memory() -> bool:
 
 def adamw(model: torch.nn.Module, train_cfg: TrainArgs) -> torch.optim.AdamW:
     """AdamW with decoupled weight decay on the weight matrices (and embeddings) only: biases and
-    norm weights, the 1-D parameters, are not decayed, as in transformers' Trainer (and so TRL)."""
-    params = list(model.parameters())
+    norm weights, the 1-D parameters, are not decayed, as in transformers' Trainer (and so TRL).
+    Only trainable parameters: with LoRA, the adapters."""
+    params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": train_cfg.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=train_cfg.learning_rate, betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
@@ -146,6 +149,22 @@ def embedded_model_dir(cfg: Config, rank: int = 0, world: int = 1) -> Path:
     return path
 
 
+def add_adapters(model: Transformer, lora_cfg: LoraArgs, checkpoint: Path | None) -> None:
+    """LoRA on the frozen base: lora.adapter_path's adapters (kept frozen as the KL reference, the
+    run's starting point), or new ones (B = 0: the model starts as the base); on --resume the
+    checkpoint's trained adapters then replace the trainable ones."""
+    if lora_cfg.adapter_path:
+        load_adapter(model, Path(lora_cfg.adapter_path))
+        keep_as_reference(model)
+    else:
+        apply_lora(model, lora_cfg.r, lora_cfg.alpha, lora_cfg.dropout, lora_cfg.target_modules, lora_cfg.use_rslora)
+    if checkpoint is not None:
+        try:
+            load_adapter(model, checkpoint / "adapter")
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}{way_back(checkpoint)}") from None
+
+
 @dataclass
 class Run:
     """A run as `setup` built it: what stays the same from the first round to the last (the
@@ -177,6 +196,16 @@ class Run:
     def main(self) -> bool:
         """Rank 0 alone prints and writes files."""
         return self.rank == 0
+
+    @contextlib.contextmanager
+    def reference(self):
+        """The KL reference model (loss.beta): a model of its own, or with LoRA the policy's model
+        computing with its starting adapters (none: the base), so no second copy is held."""
+        if self.ref is not None:
+            yield self.ref
+        else:
+            with reference_adapters(self.model):
+                yield self.model
 
 
 def setup(cfg: Config, resume: str | os.PathLike | None = None) -> Run:
@@ -219,12 +248,18 @@ def setup(cfg: Config, resume: str | os.PathLike | None = None) -> Run:
                          f"has {world}; "
                          f"resume it on as many: {resume_command(run, len(saved_state['sampler_rng']))}")
     dtype = resolve_dtype(cfg.model.dtype, model_dir)  # 'auto': the checkpoint's
-    if cfg.model.dtype == "auto" and dtype == "bfloat16" and main:
+    if cfg.model.dtype == "auto" and dtype == "bfloat16" and main and not cfg.lora.enabled:
         warn_bf16_weights(cfg, f"model.dtype = 'auto' on {model_dir}, a bfloat16 checkpoint")
-    model = load_resumed_model(checkpoint, dtype, device) if checkpoint else load_model(model_dir, dtype, device)
+    if cfg.lora.enabled:  # the base as it started; the adapters hold what training changed
+        model = load_model(model_dir, dtype, device)
+        add_adapters(model, cfg.lora, checkpoint)
+    else:
+        model = load_resumed_model(checkpoint, dtype, device) if checkpoint else load_model(model_dir, dtype, device)
     model.gradient_checkpointing = train_cfg.gradient_checkpointing
     check_vocab_fits(tok, model.config.vocab_size, model_dir)
-    ref = reference_model(cfg, model, model_dir, checkpoint, dtype, device) if loss_cfg.beta else None
+    # with LoRA the reference is the policy's own model with its starting adapters (Run.reference)
+    separate_ref = loss_cfg.beta and (not cfg.lora.enabled or cfg.model.ref_path)
+    ref = reference_model(cfg, model, model_dir, checkpoint, dtype, device) if separate_ref else None
     for split in (train_set, eval_set):
         prompt_ids = encode_prompts(split, tok, cfg.data.system_prompt, cfg.data.use_chat_template,
                                     cfg.data.max_prompt_length, cfg.data.chat_template_kwargs)

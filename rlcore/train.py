@@ -128,7 +128,7 @@ def sample_round(run: Run, state: RunState, rows: list[dict]) -> rollout.Rollout
     """Sample one completion for each of this rank's `rows` (each prompt already repeated G times,
     so a group may straddle two ranks), with the run's sampling options and RNG."""
     rollout_cfg, amp = run.cfg.rollout, run.cfg.train.bf16
-    run.model.eval()  # rlcore's models have no dropout: eval() and train() change no arithmetic
+    run.model.eval()  # no LoRA dropout while sampling, nor in the old and ref passes that follow
     progress = Progress(f"step {state.step + 1} rollout", enabled=run.main)  # a real model on CPU: minutes
     rows_label = f"{len(rows)} completions" + (" on rank 0" if run.world > 1 else "")
     return rollout.generate(run.model, [ex["prompt_ids"] for ex in rows], num_generations=1,
@@ -299,14 +299,14 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
 
         # 3. old log-probs only when the round is off-policy (or TIS needs them); ref only if beta.
         t0 = clock(device)
-        model.train()
-        old = ref_lp = tis = None
+        old = ref_lp = tis = None  # (the model is still in eval mode: no LoRA dropout in these passes)
         if off_policy or loss_cfg.tis_mode:
             old = logprobs_in_batches(model, ids, attn, Lp, cids, b, rollout_cfg.temperature, amp,
                                       Progress(f"step {state.step + 1} old log-probs", enabled=main))
         if loss_cfg.beta:
-            ref_lp = logprobs_in_batches(ref, ids, attn, Lp, cids, b, rollout_cfg.temperature, amp,
-                                         Progress(f"step {state.step + 1} ref log-probs", enabled=main))
+            with run.reference() as reference:
+                ref_lp = logprobs_in_batches(reference, ids, attn, Lp, cids, b, rollout_cfg.temperature, amp,
+                                             Progress(f"step {state.step + 1} ref log-probs", enabled=main))
         if loss_cfg.tis_mode:
             tis = tis_weights(old, samp, mask, loss_cfg.tis_mode, min=loss_cfg.tis_min, max=loss_cfg.tis_max)
         t_old = clock(device) - t0
@@ -321,6 +321,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         round_times = {"time/rollout": t_rollout, "time/scoring": t_score, "time/old_logp": t_old}
 
         # 4. mu-epoch replay: shuffle once, cut into S micro-batches, replay mu times in the same order.
+        model.train()
         perm = torch.randperm(n, generator=state.shuffler, device=device)
         micro = [perm[k * b:(k + 1) * b] for k in range(S)]
         update_start, step_metrics = clock(device), []

@@ -27,7 +27,10 @@ if typing.TYPE_CHECKING:
 
 # Top-level keys that are not a field name of exactly one section: TRL names and the shared seed.
 FLAT_ALIASES = {"seed": ("train", "seed"), "model_name_or_path": ("model", "path"),
-                "activation_checkpointing": ("train", "gradient_checkpointing")}  # transformers 5's name
+                "activation_checkpointing": ("train", "gradient_checkpointing"),  # transformers 5's name
+                # TRL's ModelConfig (PEFT's LoraConfig names)
+                "use_peft": ("lora", "enabled"), "lora_r": ("lora", "r"), "lora_alpha": ("lora", "alpha"),
+                "lora_dropout": ("lora", "dropout"), "lora_target_modules": ("lora", "target_modules")}
 
 GENERATION_KWARGS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_completion_length",
@@ -187,7 +190,6 @@ TRL_DEFAULTS = {("train", "lr_scheduler_type"): "linear", ("train", "bf16"): Tru
 
 # Other frameworks' names users bring (verl's config tree, Unsloth's loader and LoRA options):
 # an "unknown config key" error adds the rlcore equivalent, or why there is none.
-NO_LORA = "rlcore trains every weight (no LoRA or adapters); leave it out"
 NO_QUANT = "rlcore trains full-precision weights (model.dtype float32 or bfloat16); leave it out"
 FOREIGN = {
     "actor_rollout_ref": "verl's config tree; rlcore takes TRL's names: rollout.n -> rollout.num_generations, "
@@ -215,9 +217,11 @@ FOREIGN = {
     "lr": "rlcore's (TRL's) is train.learning_rate",
     "n": "verl's samples per prompt (rollout.n); rlcore's is rollout.num_generations",
     "response_length": "verl's; rlcore's is rollout.max_completion_length",
-    "load_in_4bit": NO_QUANT, "load_in_8bit": NO_QUANT, "full_finetuning": "rlcore always trains every weight",
-    "lora_rank": NO_LORA, "lora_r": NO_LORA, "lora_alpha": NO_LORA, "lora_dropout": NO_LORA,
-    "target_modules": NO_LORA, "use_peft": NO_LORA, "lora_target_modules": NO_LORA,
+    "load_in_4bit": NO_QUANT, "load_in_8bit": NO_QUANT,
+    "full_finetuning": "rlcore trains every weight unless lora.enabled",
+    "lora_rank": "Unsloth's; rlcore's is lora.r (TRL: lora_r)",
+    "target_modules": "PEFT's and Unsloth's; rlcore's is lora.target_modules (TRL: lora_target_modules)",
+    "use_dora": "rlcore's adapters are LoRA's (lora.enabled); DoRA is not implemented",
     "fast_inference": "Unsloth's vLLM switch; rlcore generates with its own engine (rlcore.rollout)",
     "gpu_memory_utilization": "a vLLM setting; rlcore has no vLLM",
     "max_seq_length": "Unsloth's prompt + completion budget; rlcore's are data.max_prompt_length and "

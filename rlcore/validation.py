@@ -17,6 +17,7 @@ import warnings
 from rlcore import ConfigError, RlcoreWarning
 from rlcore.answers import REWARDS
 from rlcore.geometry import Geometry
+from rlcore.options import LORA_TARGETS
 from rlcore.tasks import TASK_REWARD
 
 if typing.TYPE_CHECKING:
@@ -208,7 +209,7 @@ def validate(config: Config, world_size: int = 1) -> None:
         warnings.warn(f"model.ref_path = {config.model.ref_path!r} is read only when loss.beta != 0, and it is 0.0: "
                       "no reference model and no KL term; set loss.beta (e.g. 0.04) or remove model.ref_path",
                       RlcoreWarning, stacklevel=2)
-    if config.model.dtype == "bfloat16":
+    if config.model.dtype == "bfloat16" and not config.lora.enabled:  # LoRA trains fp32 adapters on a frozen base
         warn_bf16_weights(config, "model.dtype = 'bfloat16'")
     if loss.loss_type == "luspo" and loss.importance_sampling_level != "sequence":
         warnings.warn(f"loss.loss_type = 'luspo' with loss.importance_sampling_level = "
@@ -281,6 +282,30 @@ def validate(config: Config, world_size: int = 1) -> None:
         need(getattr(train, key) >= 1, f"train.{key} = {getattr(train, key)} must be >= 1")
     for key in ("eval_steps", "save_steps"):
         need(getattr(train, key) >= 0, f"train.{key} = {getattr(train, key)} must be >= 0; 0 = only at the end")
+    problems += lora_problems(config)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
     config.validated = checked  # not a field: the world size and values this config passed for
+
+
+def lora_problems(config: Config) -> list[str]:
+    """The [lora] section's checks (none while lora.enabled is false)."""
+    lora, loss = config.lora, config.loss
+    if not lora.enabled:
+        return []
+    problems = []
+    if lora.r < 1:
+        problems.append(f"lora.r = {lora.r} must be >= 1 (16 is TRL's default)")
+    if lora.alpha <= 0:
+        problems.append(f"lora.alpha = {lora.alpha} must be > 0 (TRL's default is 32, twice lora.r)")
+    if not 0 <= lora.dropout < 1:
+        problems.append(f"lora.dropout = {lora.dropout} must be in [0, 1) (TRL's default is 0.05)")
+    targets = [lora.target_modules] if isinstance(lora.target_modules, str) else lora.target_modules
+    if unknown := [t for t in targets if t not in (*LORA_TARGETS, "all-linear")] or not targets:
+        problems.append(f"lora.target_modules = {lora.target_modules!r}: unknown {unknown or 'empty list'}; use "
+                        f"'all-linear' or names among {', '.join(LORA_TARGETS)}")
+    if loss.sync_ref_model and config.model.ref_path is None:
+        problems.append("loss.sync_ref_model mixes the policy into a reference model of its own, but with "
+                        "lora.enabled the reference is the run's starting adapters (no second model); set "
+                        "loss.sync_ref_model = false, or model.ref_path to load a reference model")
+    return problems

@@ -308,7 +308,7 @@ def test_directories_that_are_not_a_model_say_what_they_are(hf_checkpoint, tmp_p
     (adapter / "adapter_config.json").write_text("{}")
     (adapter / "adapter_model.safetensors").write_bytes(b"")
     with pytest.raises(CheckpointError, match=r"lora is a LoRA adapter \(adapter_config\.json\), not a model; "
-                                              r"merge it"):
+                                              r"train from it with --set lora\.enabled=true --set lora\.adapter_path="):
         load_model(adapter)
 
 

@@ -818,7 +818,7 @@ def test_a_home_relative_path_is_expanded(monkeypatch):
                                       r"rollout\.num_generations"),
     ("data.train_batch_size=8", r"unknown config key data\.train_batch_size: verl's prompts per step"),
     ("load_in_4bit=true", r"unknown config key load_in_4bit: rlcore trains full-precision weights"),
-    ("lora_rank=16", r"no LoRA"),
+    ("lora_rank=16", r"unknown config key lora_rank: Unsloth's; rlcore's is lora\.r"),
     # from a user audit: verl's names, a Python float, GSPO as a loss_type
     ("clip_ratio=0.2", r"unknown config key clip_ratio: verl's symmetric clip; rlcore's is loss\.epsilon"),
     ("kl_coef=0.01", r"kl_coef: verl's in-reward KL .*rlcore's KL term is loss\.beta"),
