@@ -141,8 +141,9 @@ def wrap(model: nn.Module, names: list[str], r: int, alpha: float, dropout: floa
     if not 0 <= dropout < 1:
         raise ValueError(f"LoRA dropout = {dropout!r} must be in [0, 1)")
     model.requires_grad_(False)
-    for name in names:
-        replace(model, name, LoraLinear(model.get_submodule(name), r, alpha, dropout, use_rslora))
+    for name in names:  # in the model's train/eval mode, which turns dropout on or off
+        layer = LoraLinear(model.get_submodule(name), r, alpha, dropout, use_rslora).train(model.training)
+        replace(model, name, layer)
     return names
 
 
