@@ -1,0 +1,157 @@
+"""Peak memory of one GRPO optimizer step: full fine-tuning against LoRA.
+
+Qwen2.5-0.5B's shapes with random weights; one optimizer step of 8 prompts x G = 4 completions of
+128 tokens with loss.beta = 0.04, through rlcore's own loop (`rlcore.train.train`), each variant in
+a process of its own:
+  full  every weight trains in fp32 (AdamW: 16 bytes a parameter); the reference, a second model
+  lora  r = 16 adapters on every projection over a bf16 base, gradient checkpointing; the reference,
+        the same model with its adapters off
+The rollout returns fixed random 128-token completions (its KV cache is not counted: the step's
+training memory is). Peak memory is above the process's baseline after imports: the resident set
+on CPU (ru_maxrss), allocated memory on CUDA. Then a table of what each setup needs for Qwen2.5's
+0.5B, 1.5B, 7B and 14B: weights, gradients, optimizer and reference from their parameter counts,
+activations scaled from the measured run by layers x hidden size. Last line:
+lora_peak_mem_ratio=<LoRA / full>.
+
+    python bench/memory.py [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+SHAPE = dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+             num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True,
+             rms_norm_eps=1e-6, rope_theta=1e6, use_sliding_window=False, bos_token_id=None, eos_token_id=1)
+# Qwen2.5's sizes: (layers, hidden, intermediate, heads, kv heads, vocab, tied)
+MODELS = {"0.5B": (24, 896, 4864, 14, 2, 151936, True), "1.5B": (28, 1536, 8960, 12, 2, 151936, True),
+          "7B": (28, 3584, 18944, 28, 4, 152064, False), "14B": (48, 5120, 13824, 40, 8, 152064, False)}
+PROMPTS, G, NEW_TOKENS, RANK = 8, 4, 128, 16
+GPUS_GB = (24, 80, 141)
+
+
+def counts(layers, hidden, inter, heads, kv, vocab, tied, r=RANK) -> tuple[int, int]:
+    """(all parameters, LoRA parameters of rank r on every projection) of a Qwen2.5-shaped model."""
+    head = hidden // heads
+    attn = hidden * heads * head * 2 + hidden * kv * head * 2 + (heads + 2 * kv) * head  # q, o, k, v; qkv biases
+    mlp = 3 * hidden * inter
+    total = layers * (attn + mlp + 2 * hidden) + vocab * hidden * (1 if tied else 2) + hidden
+    shapes = [(hidden, heads * head), (hidden, kv * head), (hidden, kv * head), (heads * head, hidden),
+              (hidden, inter), (hidden, inter), (inter, hidden)]
+    return total, layers * sum(r * (i + o) for i, o in shapes)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def build_checkpoint(path: Path) -> None:
+    """Random Qwen2.5-0.5B-shaped weights (fp32) with the embedded model's character tokenizer."""
+    from rlcore import EMBEDDED_DEFAULT
+    from rlcore.checkpoint import save_model
+    from rlcore.config import load_config
+    from rlcore.model import ModelConfig, Transformer
+    from rlcore.setup import embedded_model_dir
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_hf(SHAPE))
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    tokenizer_dir = embedded_model_dir(load_config(str(EMBEDDED_DEFAULT), []))  # built once, then cached
+    save_model(model, path, extra_files={n: tokenizer_dir / n for n in ("tokenizer.json", "tokenizer_config.json")
+                                         if (tokenizer_dir / n).is_file()})
+
+
+def run_variant(variant: str, model_dir: str, device: str) -> dict:
+    """One optimizer step of `variant` in this process; its peak memory above the baseline."""
+    import rlcore.rollout
+    from rlcore.config import load_config
+    from rlcore.rollout.engine import Rollout
+    from rlcore.train import train
+
+    cuda = device == "cuda"
+    baseline = torch.cuda.memory_allocated() if cuda else rss_bytes()
+
+    def fixed(model, prompts, num_generations, max_new_tokens, pad_token_id, generator=None, **kwargs):
+        g = torch.Generator().manual_seed(len(prompts))
+        ids = torch.randint(3, 20, (len(prompts), max_new_tokens), generator=g)
+        return Rollout(prompt_ids=prompts, completion_ids=ids, completion_mask=torch.ones_like(ids),
+                       lengths=torch.full((len(prompts),), max_new_tokens), truncated=torch.ones(len(prompts), dtype=bool),
+                       sampling_logprobs=torch.zeros(ids.shape), full_logprobs=None)
+
+    rlcore.rollout.generate = fixed
+    options = [f"model.path={model_dir}", "data.task=arithmetic", "data.num_eval=0", "data.num_train=64",
+               f"rollout.num_generations={G}", f"rollout.max_completion_length={NEW_TOKENS}",
+               f"train.per_device_train_batch_size={PROMPTS * G // 4}", "train.gradient_accumulation_steps=4",
+               "train.max_steps=1", "loss.beta=0.04", "train.bf16=false", f"train.device={device}",
+               "train.learning_rate=1e-6", f"train.output_dir={tempfile.mkdtemp()}"]
+    if variant == "lora":
+        options += ["lora.enabled=true", f"lora.r={RANK}", f"lora.alpha={2 * RANK}", "model.dtype=bfloat16",
+                    "train.gradient_checkpointing=true"]
+    train(load_config(None, options))
+    peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"variant": variant, "peak_bytes": peak - baseline}
+
+
+def table(measured: dict[str, int]) -> list[str]:
+    """What each setup needs for each model size: fixed parts from parameter counts, activations
+    scaled from the 0.5B run (its peak minus its fixed parts) by layers x hidden size."""
+    gb = 2**30
+    layers0, hidden0 = MODELS["0.5B"][:2]
+    total0, lora0 = counts(*MODELS["0.5B"])
+    fixed0 = {"full": 20 * total0, "lora": 2 * total0 + 16 * lora0}
+    activations0 = {v: max(0, measured[v] - fixed0[v]) for v in measured}
+    lines = [f"{'model':>5} {'setup':>5} {'weights':>8} {'grads':>7} {'adamw':>7} {'ref':>6} {'activ.':>7} "
+             f"{'total':>7}  fits on " + " / ".join(f"{g} GB" for g in GPUS_GB)]
+    for name, shape in MODELS.items():
+        total, lora = counts(*shape)
+        scale = shape[0] * shape[1] / (layers0 * hidden0)
+        for variant in ("full", "lora"):
+            if variant == "full":  # fp32 weights, gradients, AdamW's two moments; the reference, a second copy
+                parts = [4 * total, 4 * total, 8 * total, 4 * total]
+            else:  # bf16 base; fp32 adapters, their gradients and moments; no second model
+                parts = [2 * total + 4 * lora, 4 * lora, 8 * lora, 0]
+            parts.append(activations0[variant] * scale)
+            need = sum(parts)
+            fits = " / ".join("yes" if need <= g * 1e9 else "no" for g in GPUS_GB)
+            lines.append(f"{name:>5} {variant:>5} " + " ".join(f"{p / gb:>7.1f}" for p in parts) +
+                         f" {need / gb:>7.1f}  {fits}")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--variant", choices=["full", "lora"], help=argparse.SUPPRESS)  # a child process
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.variant:
+        print(json.dumps(run_variant(args.variant, args.model, args.device)), flush=True)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "qwen2.5-0.5b-random"
+        build_checkpoint(model_dir)
+        measured = {}
+        for variant in ("full", "lora"):
+            out = subprocess.run([sys.executable, __file__, "--variant", variant, "--model", str(model_dir),
+                                  "--device", args.device], capture_output=True, text=True, check=True)
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+            measured[variant] = result["peak_bytes"]
+            print(f"{variant}: peak {result['peak_bytes'] / 2**30:.2f} GiB above the process's baseline "
+                  f"({args.device}, {PROMPTS} prompts x G={G} x {NEW_TOKENS} tokens, beta=0.04)", flush=True)
+    print("\n".join(table(measured)))
+    print(f"lora_peak_mem_ratio={measured['lora'] / measured['full']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
