@@ -1,15 +1,11 @@
 """LoRA adapters on a loaded Transformer, stored in PEFT's format.
 
-`apply_lora` replaces chosen projections (q_proj ... down_proj) by `LoraLinear`, which adds a
-trainable low-rank update to the frozen base; every other parameter is frozen, so the optimizer
-sees only `lora_parameters(model)`. Adapters are read and written as PEFT reads and writes them
-(`adapter_model.safetensors` + `adapter_config.json`): PEFT loads rlcore's adapters onto the
-transformers model, and rlcore loads PEFT's. `merge_lora` folds them into the weights for export.
-
-The KL reference of a LoRA run is its starting point, computed by the same model:
-inside `reference_adapters(model)` each layer uses its frozen starting adapter, kept by
-`keep_as_reference` when the run starts from an adapter, or none (the base) when it starts from
-the base model.
+`apply_lora` wraps chosen projections (q_proj ... down_proj) in `LoraLinear`, a frozen base plus a
+trainable low-rank update, and freezes everything else: the optimizer sees `lora_parameters(model)`.
+Adapters are `adapter_model.safetensors` + `adapter_config.json` as PEFT writes them, so PEFT loads
+rlcore's and rlcore loads PEFT's; `merge_lora` folds them into the weights for export. The KL
+reference is the run's starting point, computed by the same model inside `reference_adapters`: no
+adapter (the base), or the starting adapter that `keep_as_reference` kept.
 """
 
 from __future__ import annotations
@@ -40,13 +36,14 @@ PREFIX = "base_model.model."  # PEFT's key prefix: PeftModel.base_model (LoraMod
 # these (or than null / false / {} / []) asks for something LoraLinear does not compute
 PLAIN = {"bias": "none", "fan_in_fan_out": False, "use_dora": False, "modules_to_save": None,
          "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None}
+# newer PEFT options and LoRA variants, off (null / false) in a plain adapter; checked, not written
 NEWER_OPTIONS = ("lora_bias", "exclude_modules", "layer_replication", "trainable_token_indices",
                  "target_parameters", "use_qalora", "alora_invocation_tokens", "use_bdlora", "arrow_config",
-                 "velora_config", "monteclora_config", "kasa_config")  # PEFT >= 0.14's variants, off by default
+                 "velora_config", "monteclora_config", "kasa_config")
 
 
 def lora_scaling(r: int, alpha: float, use_rslora: bool) -> float:
-    """alpha / r (LoRA), or alpha / sqrt(r) (rsLoRA), which keeps the update's size independent of r."""
+    """LoRA's alpha / r, or rsLoRA's alpha / sqrt(r)."""
     return alpha / math.sqrt(r) if use_rslora else alpha / r
 
 
@@ -56,7 +53,7 @@ class LoraLinear(nn.Module):
         h = W x + b + scaling * B A dropout(x),   A [r, in], B [out, r]
         scaling = alpha / r, or alpha / sqrt(r) with rsLoRA (Kalajdzievski 2023, arXiv:2312.03732),
 
-    which keeps the update's size independent of r. A starts kaiming-uniform (a = sqrt(5), as PEFT
+    whose factor keeps learning stable as r grows. A starts kaiming-uniform (a = sqrt(5), as PEFT
     inits lora_A) and B at zero, so at init the layer equals the base. A and B are fp32 whatever the
     base dtype: x is cast to fp32 for the adapter path and the sum back to the base output's dtype,
     as PEFT computes with autocast off.
@@ -136,10 +133,8 @@ def wrap(model: nn.Module, names: list[str], r: int, alpha: float, dropout: floa
     """Freeze every parameter, then wrap the modules `names` in LoraLinear (whose adapters train)."""
     if lora_layers(model):
         raise ValueError("the model already has LoRA adapters; apply_lora once per model")
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise ValueError(f"LoRA rank r = {r!r} must be a positive integer")
-    if not 0 <= dropout < 1:
-        raise ValueError(f"LoRA dropout = {dropout!r} must be in [0, 1)")
+    if type(r) is not int or r < 1 or not 0 <= dropout < 1:
+        raise ValueError(f"LoRA r = {r!r} must be a positive integer and dropout = {dropout!r} in [0, 1)")
     model.requires_grad_(False)
     for name in names:  # in the model's train/eval mode, which turns dropout on or off
         layer = LoraLinear(model.get_submodule(name), r, alpha, dropout, use_rslora).train(model.training)
@@ -173,7 +168,9 @@ def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
 def reference_adapters(model: nn.Module) -> Iterator[None]:
     """Inside, every LoraLinear computes with its reference adapter (without dropout): none, the base
     alone, for a run that started from the base model, or the frozen starting adapter for a run that
-    started from an existing one. The KL reference is the run's starting point, with no second model."""
+    started from an existing one. The KL reference is the run's starting point, with no second model.
+    Run the reference pass without autograd: a gradient-checkpointed backward after leaving would
+    recompute its layers with the trained adapters."""
     layers = lora_layers(model).values()
     for layer in layers:
         layer.mode = "reference"
@@ -240,12 +237,10 @@ def read_adapter_config(path: str | os.PathLike) -> dict:
     if config.get("init_lora_weights") == "mica":  # a variant with its own forward, chosen by its init
         raise CheckpointError(f"{file}: init_lora_weights = 'mica' is a LoRA variant rlcore does not apply")
     r, alpha, dropout = config.get("r"), config.get("lora_alpha"), config.get("lora_dropout", 0.0)
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise CheckpointError(f"{file}: r = {r!r} must be a positive integer")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise CheckpointError(f"{file}: lora_alpha = {alpha!r} must be a number")
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
-        raise CheckpointError(f"{file}: lora_dropout = {dropout!r} must be a number in [0, 1)")
+    if not (type(r) is int and r > 0 and type(alpha) in (int, float) and type(dropout) in (int, float)
+            and 0 <= dropout < 1):  # type(), not isinstance: true is not a rank
+        raise CheckpointError(f"{file}: r = {r!r}, lora_alpha = {alpha!r}, lora_dropout = {dropout!r}; r must be a "
+                              f"positive integer, lora_alpha a number and lora_dropout a number in [0, 1)")
     if not isinstance(config.get("target_modules"), (str, list)):
         raise CheckpointError(f"{file}: target_modules = {config.get('target_modules')!r} must be a list of "
                               f"module names or a regular expression")
@@ -255,20 +250,18 @@ def read_adapter_config(path: str | os.PathLike) -> dict:
 def targeted(model: Transformer, target_modules: str | list[str], file: Path) -> list[str]:
     """The projections that adapter_config.json's target_modules selects, by PEFT's rule: a string is
     a regular expression the whole module name must match ("all-linear": every linear layer but the
-    output one), a list holds names a module name equals or ends with after a dot."""
-    wrappable = projections(model)
+    output one), a list holds names a module name equals or ends with after a dot. (Adapters on other
+    modules, lm_head say, show as unexpected tensors in the weights file.)"""
     if target_modules == "all-linear":
-        return wrappable
-    others = ["model.embed_tokens"] + ([] if model.config.tie_word_embeddings else ["lm_head"])
+        return projections(model)
     if isinstance(target_modules, str):
-        chosen = [n for n in wrappable + others if re.fullmatch(target_modules, n)]
+        chosen = [n for n in projections(model) if re.fullmatch(target_modules, n)]
     else:
-        chosen = [n for n in wrappable + others
+        chosen = [n for n in projections(model)
                   if n in target_modules or any(n.endswith(f".{t}") for t in target_modules)]
-    if not chosen or not set(chosen) <= set(wrappable):
-        raise CheckpointError(f"{file}: target_modules = {target_modules!r} selects "
-                              f"{listed(sorted(set(chosen) - set(wrappable))) if chosen else 'no module of this model'}"
-                              f"; rlcore applies LoRA to {', '.join(TARGETS)} only")
+    if not chosen:
+        raise CheckpointError(f"{file}: target_modules = {target_modules!r} selects none of the modules rlcore "
+                              f"applies LoRA to ({', '.join(TARGETS)})")
     return chosen
 
 
@@ -296,12 +289,12 @@ def load_adapter(model: Transformer, path: str | os.PathLike) -> None:
     expected = adapter_state_dict(model)
     with open_weights(file) as f:
         stored = {key: f.get_tensor(key) for key in f.keys()}
-    missing, unexpected = sorted(expected.keys() - stored.keys()), sorted(stored.keys() - expected.keys())
-    if missing or unexpected:
-        raise CheckpointError(f"{file}: tensor names do not match the model's LoRA layers (target_modules in "
-                              f"{ADAPTER_CONFIG}): " + ", ".join(
-                                  f"{what} {listed(keys)}" for what, keys in (("missing", missing),
-                                                                             ("unexpected", unexpected)) if keys))
+    problems = [f"{what} {listed(sorted(keys))}" for what, keys in
+                (("missing", expected.keys() - stored.keys()), ("unexpected", stored.keys() - expected.keys())) if keys]
+    if problems:
+        raise CheckpointError(f"{file}: tensor names do not match the model's LoRA layers: {', '.join(problems)}; "
+                              f"check target_modules in {ADAPTER_CONFIG} (rlcore applies LoRA to "
+                              f"{', '.join(TARGETS)} only)")
     for key, param in expected.items():
         if stored[key].shape != param.shape:
             raise CheckpointError(f"{file}: tensor {key} has shape {tuple(stored[key].shape)}, the model's LoRA "
@@ -315,6 +308,5 @@ def merge_lora(model: Transformer) -> None:
     """Replace every LoraLinear by its base nn.Linear holding W + scaling * B @ A (for export): the
     model's state_dict is then the base model's, the HF checkpoint transformers loads."""
     for name, layer in lora_layers(model).items():
-        merged = layer.weight
-        layer.base.weight.copy_(merged)
+        layer.base.weight.copy_(layer.weight)
         replace(model, name, layer.base)

@@ -270,11 +270,21 @@ def test_an_unknown_target_module_is_refused_naming_it_and_the_valid_ones(hf_che
     assert all(name in str(error.value) for name in TARGETS)
 
 
-def test_an_adapter_targeting_the_output_layer_is_refused(hf_checkpoint, tmp_path):
+def test_a_peft_adapter_on_the_output_layer_is_refused(hf_checkpoint, tmp_path):
+    path, hf = hf_checkpoint("qwen2")
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], task_type="CAUSAL_LM")
+    get_peft_model(hf, config).save_pretrained(tmp_path / "adapter")
+    with pytest.raises(CheckpointError, match=r"unexpected \[.*'base_model\.model\.lm_head\.lora_A\.weight'") as error:
+        load_adapter(load_model(path), tmp_path / "adapter")
+    assert str(tmp_path / "adapter" / "adapter_model.safetensors") in str(error.value)
+    assert "rlcore applies LoRA to q_proj, k_proj" in str(error.value)
+
+
+def test_an_adapter_config_selecting_no_projection_is_refused(hf_checkpoint, tmp_path):
     path, model, _ = lora_model(hf_checkpoint)
     adapter = save_adapter(model, tmp_path / "adapter", str(path))
-    edit_config(adapter, target_modules=["q_proj", "lm_head"])
-    with pytest.raises(CheckpointError, match="selects \\['lm_head'\\]; rlcore applies LoRA to q_proj") as error:
+    edit_config(adapter, target_modules=["lm_head"])
+    with pytest.raises(CheckpointError, match="target_modules = \\['lm_head'\\] selects none") as error:
         load_adapter(load_model(path), adapter)
     assert str(adapter / "adapter_config.json") in str(error.value)
 
