@@ -8,7 +8,8 @@ a process of its own:
         the same model with its adapters off
 The rollout returns fixed random 128-token completions (its KV cache is not counted: the step's
 training memory is). Peak memory is above the process's baseline after imports: the resident set
-on CPU (ru_maxrss), allocated memory on CUDA. Then a table of what each setup needs for Qwen2.5's
+on CPU (VmHWM), allocated memory on CUDA. The peak is reset as the round starts, with the models
+loaded: loading an fp32 file into a bf16 model holds both for a moment, which is not the step's. Then a table of what each setup needs for Qwen2.5's
 0.5B, 1.5B, 7B and 14B: weights, gradients, optimizer and reference from their parameter counts,
 activations scaled from the measured run by layers x hidden size. Last line:
 lora_peak_mem_ratio=<LoRA / full>.
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -55,6 +55,12 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def peak_rss_bytes() -> int:
+    """The resident set's high-water mark (VmHWM) since the last reset."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+
+
 def build_checkpoint(path: Path) -> None:
     """Random Qwen2.5-0.5B-shaped weights (fp32) with the embedded model's character tokenizer."""
     from rlcore import EMBEDDED_DEFAULT
@@ -82,7 +88,15 @@ def run_variant(variant: str, model_dir: str, device: str) -> dict:
     cuda = device == "cuda"
     baseline = torch.cuda.memory_allocated() if cuda else rss_bytes()
 
+    def reset_peak() -> None:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            with open("/proc/self/clear_refs", "w") as f:  # "5": VmHWM back to the current resident set
+                f.write("5")
+
     def fixed(model, prompts, num_generations, max_new_tokens, pad_token_id, generator=None, **kwargs):
+        reset_peak()  # the round starts: models loaded, the optimizer's moments not yet allocated
         g = torch.Generator().manual_seed(len(prompts))
         ids = torch.randint(3, 20, (len(prompts), max_new_tokens), generator=g)
         return Rollout(prompt_ids=prompts, completion_ids=ids, completion_mask=torch.ones_like(ids),
@@ -99,7 +113,7 @@ def run_variant(variant: str, model_dir: str, device: str) -> dict:
         options += ["lora.enabled=true", f"lora.r={RANK}", f"lora.alpha={2 * RANK}", "model.dtype=bfloat16",
                     "train.gradient_checkpointing=true"]
     train(load_config(None, options))
-    peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
     return {"variant": variant, "peak_bytes": peak - baseline}
 
 

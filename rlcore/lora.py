@@ -26,8 +26,9 @@ from torch import nn
 
 from rlcore.checkpoint import CheckpointError, fsync_dir, listed, open_weights, read_json
 from rlcore.model import Transformer
+from rlcore.options import LORA_TARGETS
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGETS = LORA_TARGETS  # the projections adapters can go on
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."  # PEFT's key prefix: PeftModel.base_model (LoraModel).model (the CausalLM)
@@ -310,3 +311,11 @@ def merge_lora(model: Transformer) -> None:
     for name, layer in lora_layers(model).items():
         layer.base.weight.copy_(layer.weight)
         replace(model, name, layer.base)
+
+
+def set_dropout(model: nn.Module, p: float) -> None:
+    """Set every adapter's dropout probability (a training setting, not part of an adapter: a run
+    from an existing adapter takes lora.dropout, not the adapter_config.json it was saved with)."""
+    for layer in lora_layers(model).values():
+        layer.dropout = nn.Dropout(p) if p > 0 else nn.Identity()
+        layer.config["lora_dropout"] = p

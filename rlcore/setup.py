@@ -26,7 +26,7 @@ from rlcore.data import encode_prompts, load_examples
 from rlcore.embedded import build_embedded_model, cache_dir_name, why_a_model_of_its_own
 from rlcore.geometry import Geometry
 from rlcore.model import Transformer, weight_layout_difference
-from rlcore.lora import apply_lora, keep_as_reference, load_adapter, reference_adapters
+from rlcore.lora import apply_lora, keep_as_reference, load_adapter, reference_adapters, set_dropout
 from rlcore.options import LoraArgs, TrainArgs
 from rlcore.rewards import REWARD_EXTRAS, check_reward_funcs, dataset_columns, get_reward_funcs
 from rlcore.rundir import (changed_data, check_new_run_dir, check_resumed_model, checkpoint_step, latest_checkpoint,
@@ -153,8 +153,9 @@ def add_adapters(model: Transformer, lora_cfg: LoraArgs, checkpoint: Path | None
     """LoRA on the frozen base: lora.adapter_path's adapters (kept frozen as the KL reference, the
     run's starting point), or new ones (B = 0: the model starts as the base); on --resume the
     checkpoint's trained adapters then replace the trainable ones."""
-    if lora_cfg.adapter_path:
+    if lora_cfg.adapter_path:  # its adapter_config.json sets r, alpha and the targets
         load_adapter(model, Path(lora_cfg.adapter_path))
+        set_dropout(model, lora_cfg.dropout)
         keep_as_reference(model)
     else:
         apply_lora(model, lora_cfg.r, lora_cfg.alpha, lora_cfg.dropout, lora_cfg.target_modules, lora_cfg.use_rslora)

@@ -6,7 +6,7 @@ import sys
 
 def test_importing_rlcore_does_not_import_transformers_or_trl():
     code = ("import sys, rlcore, rlcore.train, rlcore.cli, rlcore.model, rlcore.checkpoint, "
-            "rlcore.tokenizer, rlcore.rollout, rlcore.losses, rlcore.embedded; "
+            "rlcore.tokenizer, rlcore.rollout, rlcore.losses, rlcore.embedded, rlcore.lora; "
             "print(sorted(m for m in ('transformers', 'trl', 'accelerate') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
