@@ -30,22 +30,22 @@ def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
 
 
 def completion_logprobs(model: Transformer, ids, attn, Lp: int, completion_ids,
-                        temperature: float = 1.0, bf16_autocast: bool = False,
+                        temperature: float = 1.0, autocast: torch.dtype | None = None,
                         shared: "SharedPrompts | None" = None):
     """Log-probs and entropies `[B, Tc]` of the completion tokens under `model`.
 
     ids/attn `[B, Lp + Tc]` as `pack` builds them. Rows with the same prompt (GRPO's G samples)
     share one forward pass over it; see `completion_hidden`. With `shared`, the prompts' pass is
     the one `shared` ran for several micro-batches, this one's among them.
-    With `bf16_autocast` (GPU, or a CPU with AMX) the body runs under bf16 autocast while the
-    log-probs are computed from fp32 hidden states and the fp32 output weight.
+    With `autocast` (bf16 or fp16) the body runs under autocast to that dtype while the log-probs
+    are computed from fp32 hidden states and the fp32 output weight.
     """
-    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16_autocast):
+    with torch.autocast(ids.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         if shared is None:
             h = completion_hidden(model, ids, attn.to(ids.device), Lp)
         else:
             h = shared.completion_hidden(ids, attn.to(ids.device))
-    if bf16_autocast:
+    if autocast is not None:
         h = h.float()
     return token_logprobs(h, model.lm_head_weight, completion_ids, temperature)
 
@@ -123,7 +123,7 @@ class SharedPrompts:
         self.last, self.prefix = self.inputs[0], PrefixKV(self.inputs[1:1 + n], self.inputs[1 + n:])
 
     @classmethod
-    def build(cls, model: Transformer, ids, attn, Lp: int, bf16_autocast: bool = False,
+    def build(cls, model: Transformer, ids, attn, Lp: int, autocast: torch.dtype | None = None,
               max_prompts: int | None = None):
         """For the rows `ids`/`attn` `[n, Lp + Tc]` of the micro-batches that will share it.
 
@@ -134,7 +134,7 @@ class SharedPrompts:
         distinct = torch.unique(_prompt_keys(ids, attn, Lp), dim=0)
         if len(distinct) == len(ids) or (max_prompts is not None and len(distinct) > max_prompts):
             return None
-        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16_autocast):
+        with torch.autocast(ids.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
             return cls(model, distinct, Lp)
 
     def completion_hidden(self, ids, attn):

@@ -202,6 +202,8 @@ class TrainArgs:
     """seed for the prompt order, the micro-batch shuffle and (by default) sampling"""
     bf16: bool = False
     """bfloat16 autocast for the training forward passes and a bf16 rollout (GPU; on CPU it pays only with AMX)"""
+    fp16: bool = False
+    """float16 autocast over fp32 weights with dynamic loss scaling, and an fp16 rollout (GPUs without bf16: T4, V100)"""
     gradient_checkpointing: bool = False
     """recompute each layer's activations in backward instead of keeping them (TRL's default is True)"""
     device: Literal["auto", "cpu", "cuda"] = "auto"

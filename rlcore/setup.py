@@ -198,6 +198,12 @@ class Run:
         """Rank 0 alone prints and writes files."""
         return self.rank == 0
 
+    @property
+    def amp(self) -> torch.dtype | None:
+        """The autocast dtype of the training passes and the rollout (train.bf16 or train.fp16)."""
+        train_cfg = self.cfg.train
+        return torch.bfloat16 if train_cfg.bf16 else torch.float16 if train_cfg.fp16 else None
+
     @contextlib.contextmanager
     def reference(self):
         """The KL reference model (loss.beta): a model of its own, or with LoRA the policy's model
@@ -288,7 +294,8 @@ def setup(cfg: Config, resume: str | os.PathLike | None = None) -> Run:
               f"an optimizer step every {GA} ({steps_per_round} per round, mu={mu})", flush=True)
     if main and train_cfg.max_steps == -1:
         print(f"num_train_epochs = {train_cfg.num_train_epochs}: {len(train_set)} prompts, "
-              f"{len(train_set) // (N // G)} whole rounds of {N // G} per pass, {steps_per_round} optimizer step(s) per round: "
+              f"{len(train_set) // (N // G)} whole rounds of {N // G} per pass, {steps_per_round} optimizer "
+              f"step(s) per round: "
               f"max_steps = {max_steps}", flush=True)
 
     done = checkpoint_step(checkpoint) if checkpoint else 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -123,6 +123,9 @@ class RunState:
     nonfinite_in_row: int = 0  # skipped optimizer steps in a row; train.max_nonfinite_steps stops the run
     nonfinite_total: int = 0
     before: float | None = None  # held-out accuracy before the first step
+    scaler: torch.amp.GradScaler = field(default_factory=lambda: torch.amp.GradScaler("cpu", enabled=False))
+    """train.fp16's dynamic loss scale (disabled otherwise)"""
+    overflow_skips: int = 0  # fp16 steps skipped while the loss scale calibrates (not non-finite steps)
 
     def resume_point(self) -> dict:
         """Where the next round starts (data position and RNGs): what a checkpoint continues from."""
@@ -135,7 +138,9 @@ class RunState:
         return {"sampler_rng": samplers, "shuffler_rng": at["shuffler"], "torch_rng": at["torch"], "step": self.step,
                 "data_pos": at["data_pos"], "nonfinite_total": self.nonfinite_total,
                 "nonfinite_in_row": self.nonfinite_in_row, "before": self.before,
-                "entropy_bonus": self.bonus.state_dict() if self.bonus.adaptive else None}
+                "entropy_bonus": self.bonus.state_dict() if self.bonus.adaptive else None,
+                "grad_scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+                "overflow_skips": self.overflow_skips}
 
     def load_state_dict(self, saved: dict, rank: int) -> None:
         self.sampler.set_state(saved["sampler_rng"][rank])
@@ -146,3 +151,6 @@ class RunState:
         self.nonfinite_in_row = saved.get("nonfinite_in_row", 0)  # absent from checkpoints of earlier versions
         if self.bonus.adaptive and saved.get("entropy_bonus"):  # the controller's state (static: the config's)
             self.bonus.load_state_dict(saved["entropy_bonus"])
+        if self.scaler.is_enabled() and saved.get("grad_scaler"):
+            self.scaler.load_state_dict(saved["grad_scaler"])
+        self.overflow_skips = saved.get("overflow_skips", 0)

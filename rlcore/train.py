@@ -36,6 +36,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
+from torch.amp import GradScaler
 
 from rlcore import RlcoreWarning, distributed, rollout
 from rlcore.config import Config
@@ -76,7 +77,7 @@ def next_prompts(examples: list[dict], pos: int, n: int, seed: int) -> list[dict
 
 @torch.no_grad()
 def logprobs_in_batches(model: Transformer, ids: torch.Tensor, attn: torch.Tensor, Lp: int, cids: torch.Tensor, b: int,
-                        temperature: float, amp: bool, progress: Progress) -> torch.Tensor:
+                        temperature: float, amp: torch.dtype | None, progress: Progress) -> torch.Tensor:
     """The completions' log-probs `[n, Tc]` under `model` (the old and ref passes), b rows at a
     time, without gradients (ids, attn `[n, Lp + Tc]` and cids `[n, Tc]` as `pack` builds them);
     `progress` hears how many rows are done."""
@@ -95,17 +96,25 @@ def optimizer_step(run: Run, state: RunState, bad_losses: int) -> tuple[torch.Te
     norm before clipping, whether the step was taken, and the learning rate it used."""
     model, opt, world, device = run.model, run.opt, run.world, run.device
     distributed.average_gradients(model, world)
+    state.scaler.unscale_(opt)  # fp16: the gradients back to their size before clipping (else nothing)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), run.cfg.train.max_grad_norm or math.inf)
-    finite = math.isfinite(grad_norm.item()) and not distributed.sum_over_ranks([bad_losses], world, device)[0]
+    losses_finite = not distributed.sum_over_ranks([bad_losses], world, device)[0]
+    finite = math.isfinite(grad_norm.item()) and losses_finite
     if finite:
-        opt.step()
+        state.scaler.step(opt)  # opt.step()
         state.nonfinite_in_row = 0
+    elif run.cfg.train.fp16 and losses_finite:  # the loss scale overflowed fp16: update() lowers it
+        state.overflow_skips += 1
+        if run.main:
+            print(f"step {state.step + 1}: fp16 gradients overflowed at loss scale {state.scaler.get_scale():g}; "
+                  f"optimizer step skipped, the scale is halved", flush=True)
     else:
         state.nonfinite_in_row += 1
         state.nonfinite_total += 1
         if run.main:
             print(f"step {state.step + 1}: non-finite loss or gradient, optimizer step skipped "
                   f"({state.nonfinite_in_row} in a row)", flush=True)
+    state.scaler.update()
     opt.zero_grad(set_to_none=True)
     return grad_norm, finite, opt.param_groups[0]["lr"]  # the rate this step used, before the schedule moves on
 
@@ -127,7 +136,7 @@ def save(run: Run, state: RunState, at: dict) -> None:
 def sample_round(run: Run, state: RunState, rows: list[dict]) -> rollout.Rollout:
     """Sample one completion for each of this rank's `rows` (each prompt already repeated G times,
     so a group may straddle two ranks), with the run's sampling options and RNG."""
-    rollout_cfg, amp = run.cfg.rollout, run.cfg.train.bf16
+    rollout_cfg = run.cfg.rollout
     run.model.eval()  # no LoRA dropout while sampling, nor in the old and ref passes that follow
     progress = Progress(f"step {state.step + 1} rollout", enabled=run.main)  # a real model on CPU: minutes
     rows_label = f"{len(rows)} completions" + (" on rank 0" if run.world > 1 else "")
@@ -137,7 +146,7 @@ def sample_round(run: Run, state: RunState, rows: list[dict]) -> rollout.Rollout
                             temperature=rollout_cfg.temperature, top_k=rollout_cfg.top_k, top_p=rollout_cfg.top_p,
                             min_p=rollout_cfg.min_p, repetition_penalty=rollout_cfg.repetition_penalty,
                             stop_sequences=run.stop_sequences, generator=state.sampler,
-                            dtype=torch.bfloat16 if amp else None,
+                            dtype=run.amp,
                             progress=lambda tokens, finished: progress.report(
                                 f"{tokens}/{rollout_cfg.max_completion_length} tokens, {finished}/{rows_label} done"))
 
@@ -234,13 +243,14 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
     mine = slice(rank * n, (rank + 1) * n)  # this rank's rows of the round
     max_steps, steps_per_round = run.geometry.max_steps, run.geometry.steps_per_round
     off_policy = run.geometry.off_policy  # old log-probs need a pass of their own (SPEC 1)
-    amp = train_cfg.bf16  # bf16 autocast for the training forward passes, and a bf16 rollout
+    amp = run.amp  # autocast (bf16 or fp16) for the training forward passes and the rollout
     loss_options = PolicyLossOptions.from_config(loss_cfg)
     state = RunState(sampler=torch.Generator(device=device).manual_seed(rollout_cfg.seed + rank),  # rollout sampling
                      shuffler=torch.Generator(device=device).manual_seed(train_cfg.seed),  # micro-batch order
                      bonus=EntropyBonus(loss_cfg.entropy_coef, loss_cfg.use_adaptive_entropy, loss_cfg.entropy_target,
                                         loss_cfg.entropy_coef_delta, loss_cfg.entropy_coef_min,
-                                        loss_cfg.entropy_coef_max))
+                                        loss_cfg.entropy_coef_max),
+                     scaler=GradScaler(device.type, enabled=train_cfg.fp16))  # fp16's dynamic loss scale
     bonus, metrics_file = state.bonus, run_dir / "metrics.jsonl"
     if run.checkpoint:  # resume: every state the next step reads, exactly as the checkpoint left it
         resume_from_checkpoint(run, state)
@@ -358,7 +368,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                                           step_tokens=step_tokens, world_size=world)
                     if bonus.enabled:  # loss.entropy_coef: over the tokens the policy loss trains on
                         loss = loss - bonus.term(entropy, mask[mb] if entropy_keep is None else entropy_keep, GA)
-                    loss.backward()
+                    state.scaler.scale(loss).backward()  # fp16: scaled so that small gradients stay normal
                     if mismatch is None:  # on-policy: from this micro-batch's own log-probs
                         diagnostics.update(rollout_mismatch(logp.detach(), samp[mb], mask[mb]))  # its `tokens` = diag's
                     # one host sync per value: free on CPU, a wait for the GPU's queue on CUDA
@@ -369,6 +379,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                 if shared is not None:
                     shared.backward()  # the prompts' pass, with the gradients its micro-batches left
                 bad_losses = sum(not math.isfinite(x["loss"]) for x in step_metrics)
+                loss_scale = state.scaler.get_scale() if train_cfg.fp16 else None  # the scale this step used
                 grad_norm, finite, lr = optimizer_step(run, state, bad_losses)
                 applied = bonus.applied()  # the coefficient this step used, before adaptation
                 bonus.end_step(functools.partial(distributed.sum_over_ranks, world=world, device=device))
@@ -392,6 +403,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                     row["entropy_coef"], row["entropy_coef/applied"] = bonus.coef, applied
                 if bonus.adaptive:  # what the controller compared with entropy_target (the bonus's tokens)
                     row["entropy_coef/entropy"] = bonus.last_entropy
+                if train_cfg.fp16:
+                    row["loss_scale"], row["overflow_skips"] = loss_scale, state.overflow_skips
                 add_reward_metrics(row, scores.logged)
                 round_times = dict.fromkeys(round_times, 0.0)
                 row.update(memory_metrics(device, world))

@@ -78,7 +78,6 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     "ddp_timeout": (ANY, "rlcore uses torch.distributed's default timeout"),
     "optim": (("adamw_torch", "adamw_torch_fused", "adamw_hf"),
               "rlcore trains with torch.optim.AdamW (train.adam_beta1, adam_beta2, adam_epsilon, weight_decay)"),
-    "fp16": ((False,), "fp16 training is not supported; set train.bf16 = true (bf16 autocast over fp32 weights)"),
     # generation
     "use_vllm": ((False,), "rlcore generates with its own engine (rlcore.rollout), set up under [rollout]"),
     "generation_kwargs": ((None,), "give it as a table of sampling settings (temperature, top_p, top_k, min_p, "
@@ -149,7 +148,7 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     "batch_eval_metrics": (ANY, "rlcore's evaluation reports held-out accuracy and rewards"),
     "prediction_loss_only": (ANY, "rlcore's evaluation reports held-out accuracy and rewards"),
     "bf16_full_eval": (ANY, "rlcore evaluates in the model's dtype"),
-    "fp16_full_eval": ((False,), "fp16 is not supported"),
+    "fp16_full_eval": ((False,), "rlcore evaluates under the training passes' autocast (train.bf16 or train.fp16)"),
     "log_on_each_node": (ANY, "rank 0 writes the logs"),
     "log_level_replica": (ANY, "rank 0 writes the logs"),
     "logging_nan_inf_filter": (ANY, "rlcore logs every value, a non-finite one as null, and counts skipped steps"),

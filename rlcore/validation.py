@@ -282,6 +282,11 @@ def validate(config: Config, world_size: int = 1) -> None:
         need(getattr(train, key) >= 1, f"train.{key} = {getattr(train, key)} must be >= 1")
     for key in ("eval_steps", "save_steps"):
         need(getattr(train, key) >= 0, f"train.{key} = {getattr(train, key)} must be >= 0; 0 = only at the end")
+    need(not (train.fp16 and train.bf16), "train.fp16 and train.bf16 are both true; choose one autocast dtype "
+         "(bf16 where the GPU has it: no loss scaling needed)")
+    need(not train.fp16 or config.model.dtype == "float32" or config.lora.enabled,
+         f"train.fp16 autocasts over fp32 master weights with loss scaling, but model.dtype = "
+         f"{config.model.dtype!r}; set model.dtype = 'float32'")
     problems += lora_problems(config)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))

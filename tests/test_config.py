@@ -293,7 +293,7 @@ def test_a_trl_config_loads_and_says_what_it_ignores(tmp_path):
 
 @pytest.mark.parametrize("line, fix", [
     ("use_vllm = true", r"use_vllm = True is not an rlcore option: rlcore generates with its own engine"),
-    ("fp16 = true", r"set train\.bf16 = true"),
+    ("fp16_full_eval = true", r"fp16_full_eval = True is not an rlcore option: rlcore evaluates under the training"),
     ("model_init_kwargs = {device_map = 'auto'}", r"model_init_kwargs key 'device_map' \(= 'auto'\) has no rlcore "
                                                  r"equivalent; rlcore takes dtype \(or torch_dtype\), as model\.dtype"),
     ("model_init_kwargs = {torch_dtype = 'float16'}", r"model\.dtype = 'float16' is not a valid choice"),

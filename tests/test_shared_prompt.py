@@ -175,12 +175,12 @@ def test_bf16_autocast_logprobs_are_within_bf16_rounding_of_transformers_fp32(ac
     ids, attn, cids, cmask, Lp = pack(prompts, completions, pad_id=0)
     with torch.no_grad():
         if across:
-            shared = SharedPrompts.build(model, ids, attn, Lp, bf16_autocast=True)
+            shared = SharedPrompts.build(model, ids, attn, Lp, autocast=torch.bfloat16)
             logp = torch.zeros(cids.shape)
             for r in MICRO:
-                logp[r] = completion_logprobs(model, ids[r], attn[r], Lp, cids[r], bf16_autocast=True, shared=shared)[0]
+                logp[r] = completion_logprobs(model, ids[r], attn[r], Lp, cids[r], autocast=torch.bfloat16, shared=shared)[0]
         else:
-            logp, _ = completion_logprobs(model, ids, attn, Lp, cids, bf16_autocast=True)
+            logp, _ = completion_logprobs(model, ids, attn, Lp, cids, autocast=torch.bfloat16)
         ref = per_row_logprobs(lambda x: hf(input_ids=x).logits, prompts, completions)
     assert logp.dtype == torch.float32
     diff = ((logp.double() - ref) * cmask).abs().max().item()
