@@ -483,7 +483,7 @@ def test_bf16_on_cpu_trains_with_a_bf16_rollout(tmp_path, monkeypatch):
     run = tmp_path / "run"
     train(config(run, "train.max_steps=2", "loss.num_iterations=2", "train.bf16=true"))
     assert calls["rollout"] and set(calls["rollout"]) == {torch.bfloat16}
-    assert calls["forward"] and set(calls["forward"]) == {True}  # old pass and training forwards
+    assert calls["forward"] and set(calls["forward"]) == {torch.bfloat16}  # old pass and training forwards
     got = rows(run)
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and not r["skipped"] for r in got)
     assert all(1e-4 < r["mismatch/abs_mean"] < 0.1 for r in got), [r["mismatch/abs_mean"] for r in got]
