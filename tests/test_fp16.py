@@ -19,7 +19,8 @@ def test_fp16_steps_track_fp32_steps(qwen_dir, tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
     init = transformers.AutoModelForCausalLM.from_pretrained(qwen_dir).state_dict()
     data = write_gsm8k(tmp_path / "prompts.jsonl", range(8))
-    (tmp_path / "fp32").mkdir(), (tmp_path / "fp16").mkdir()
+    for name in ("fp32", "fp16"):
+        (tmp_path / name).mkdir()
     _, want_rows, want = run_rlcore(OPTIONS, qwen_dir, data, tmp_path / "fp32", monkeypatch)
     _, got_rows, got = run_rlcore({**OPTIONS, "fp16": True}, qwen_dir, data, tmp_path / "fp16", monkeypatch)
     assert [r["grad_norm"] for r in got_rows] == pytest.approx([r["grad_norm"] for r in want_rows], rel=2e-2)
