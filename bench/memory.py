@@ -40,14 +40,19 @@ GPUS_GB = (24, 80, 141)
 
 
 def counts(layers, hidden, inter, heads, kv, vocab, tied, r=RANK) -> tuple[int, int]:
-    """(all parameters, LoRA parameters of rank r on every projection) of a Qwen2.5-shaped model."""
-    head = hidden // heads
-    attn = hidden * heads * head * 2 + hidden * kv * head * 2 + (heads + 2 * kv) * head  # q, o, k, v; qkv biases
-    mlp = 3 * hidden * inter
-    total = layers * (attn + mlp + 2 * hidden) + vocab * hidden * (1 if tied else 2) + hidden
-    shapes = [(hidden, heads * head), (hidden, kv * head), (hidden, kv * head), (heads * head, hidden),
-              (hidden, inter), (hidden, inter), (inter, hidden)]
-    return total, layers * sum(r * (i + o) for i, o in shapes)
+    """(all parameters, LoRA parameters of rank r on every projection) of a Qwen2.5-shaped model,
+    counted on rlcore's own model built on the meta device (no memory)."""
+    from rlcore.lora import apply_lora, lora_parameters
+    from rlcore.model import ModelConfig, Transformer
+
+    cfg = ModelConfig.from_hf(dict(SHAPE, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                                   tie_word_embeddings=tied))
+    with torch.device("meta"):
+        model = Transformer(cfg)
+        total = sum(p.numel() for p in model.parameters())
+        apply_lora(model, r, 2 * r)
+        return total, sum(p.numel() for p in lora_parameters(model))
 
 
 def rss_bytes() -> int:
