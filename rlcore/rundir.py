@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from safetensors import SafetensorError
 
 from rlcore import RlcoreWarning
-from rlcore.checkpoint import CheckpointError, check_model_dir, fsync_dir, load_model, save_model
+from rlcore.checkpoint import CheckpointError, fsync_dir, load_model, save_model
 from rlcore.config import EMBEDDED_MODEL_PATHS, RUN_CONFIG_HEADER, Config
 from rlcore.lora import load_adapter, lora_parameters, merge_lora, read_adapter_config, save_adapter
 from rlcore.model import Transformer
@@ -312,7 +312,6 @@ def export(source: Path, out: Path) -> Path:
     else:
         adapter = checkpoint / "adapter"
         base = Path(read_adapter_config(adapter).get("base_model_name_or_path") or "")
-        check_model_dir(base)  # a moved base: the message names the path the adapter records
         model, files = load_model(base, "auto"), adapter
         load_adapter(model, adapter)
         merge_lora(model)
