@@ -33,9 +33,12 @@ def test_only_the_adapters_train_and_the_checkpoint_holds_them_in_peft_format(tm
     assert (checkpoint / "adapter" / "tokenizer.json").is_file()
 
 
-def test_rollout_logprobs_equal_the_trainers_with_adapters(tmp_path):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed-decoder", "model-forward"])
+def test_rollout_logprobs_equal_the_trainers_with_adapters(packed, tmp_path, monkeypatch):
     """The engine samples from the merged weights W + s*B@A, the trainer runs base + adapter: the
-    same policy to fp32 rounding (no dropout, so the update's passes are the policy itself)."""
+    same policy to fp32 rounding (no dropout, so the update's passes are the policy itself). Both
+    decoders: the CPU's packed one and the model's forward with merged copies (the GPU's)."""
+    monkeypatch.setattr("rlcore.rollout.engine.use_packed_decoder", lambda device: packed)
     run = tmp_path / "run"
     train(config(run, "train.max_steps=3", *LORA, "lora.dropout=0.0"))
     got = rows(run)

@@ -253,9 +253,10 @@ def test_bf16_rollout_of_an_fp32_model(decoder):
 def spied_bf16_rollout(model, monkeypatch):
     """A seeded bf16 rollout of `model` on its device, and the list each call's prefill appends the
     dtypes of layer 0's q_proj weight and bias and of the lm_head weight to."""
-    q_proj, seen, real_prefill = model.model.layers[0].self_attn.q_proj, [], engine.prefill
+    seen, real_prefill = [], engine.prefill
 
     def spying_prefill(*args):
+        q_proj = model.model.layers[0].self_attn.q_proj  # the module in place during the rollout
         seen.append((q_proj.weight.dtype, q_proj.bias.dtype, model.lm_head_weight.dtype))
         return real_prefill(*args)
 
@@ -275,10 +276,10 @@ def assert_same_rollout(a: Rollout, b: Rollout) -> None:
 
 
 def test_a_bf16_rollout_on_the_module_path_casts_the_layer_weights_once_with_autocasts_results(monkeypatch):
-    """Off CPU (the module decoding step), dtype=bf16 holds the layers' nn.Linear weights and
-    biases in bf16 for the rollout instead of letting autocast cast them at every call: the same
-    completions and log-probs, bit for bit; the model's own fp32 parameters are back afterwards,
-    and after a rollout that fails."""
+    """Off CPU (the module decoding step), dtype=bf16 puts linears holding bf16 copies of the layers'
+    weights and biases in their modules' places for the rollout instead of letting autocast cast them
+    at every call: the same completions and log-probs, bit for bit; the model's own modules and fp32
+    parameters are back afterwards, and after a rollout that fails."""
     monkeypatch.setattr(engine, "use_packed_decoder", lambda device: False)
     model = rlcore_model(make_hf_model("qwen2"))  # qkv biases: cast too
     q_proj = model.model.layers[0].self_attn.q_proj
@@ -495,3 +496,22 @@ def test_decoding_on_cuda_leaves_cudnn_attention_out():
     assert torch.backends.cuda.cudnn_sdp_enabled()
     with engine.decoding_attention(torch.device("cpu")):
         assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_matmul_weights_in_swaps_lora_layers_for_their_merged_weights_and_back():
+    """Inside the block a decoding step meets no adapter path: each LoRA layer is a plain linear
+    holding W + s*B@A in the rollout's dtype; after it, the model's own modules are back."""
+    from rlcore.lora import LoraLinear, apply_lora, lora_layers
+    model = rlcore_model(make_hf_model("qwen2"))
+    apply_lora(model, r=4, alpha=8)
+    for layer in lora_layers(model).values():
+        torch.nn.init.normal_(layer.lora_B)
+    before = dict(lora_layers(model))
+    merged = {n: (m.base.weight + m.scaling * m.lora_B @ m.lora_A).detach() for n, m in before.items()}
+    with matmul_weights_in(model, torch.bfloat16):
+        assert not any(isinstance(m, LoraLinear) for m in model.modules())
+        for name, weight in merged.items():
+            swapped = model.get_submodule(name)
+            assert swapped.weight.dtype == torch.bfloat16
+            torch.testing.assert_close(swapped.weight, weight.to(torch.bfloat16), rtol=0, atol=0)
+    assert lora_layers(model) == before

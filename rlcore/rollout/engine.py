@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from rlcore.lora import LoraLinear
 from rlcore.model import KVCache, Transformer, padded_causal_mask
 from rlcore.rollout.packed import PackedDecoder
 from rlcore.rollout.sampling import check_sampling_args, sample
@@ -105,22 +106,32 @@ def decoding_attention(device: torch.device):
 
 @contextlib.contextmanager
 def matmul_weights_in(model: Transformer, dtype: torch.dtype):
-    """Give the decoder layers' nn.Linear modules `dtype` copies of their weights and biases
-    inside the block, and their own parameters back after it (also on error). Autocast to `dtype`
-    casts exactly these at each call, so the results are the same (the lm_head's weight, also the
-    embedding when tied, is left to autocast). On a GPU a decoding step is bound by kernel
-    launches, so a cast per call and step costs more than one cast per rollout. Costs a `dtype`
-    copy of those weights while the block runs. The parameters themselves are not touched (a dtype change through `.data`
-    would drop their gradient hooks): the modules hold the copies in their places."""
-    own = [(m, name, p) for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)
-           for name, p in m._parameters.items() if p is not None]
+    """Put `dtype` copies of the decoder layers' linear weights and biases in their modules' places
+    inside the block, and the modules' own parameters back after it (also on error). Autocast to
+    `dtype` casts exactly these at each call, so the results are the same (the lm_head's weight,
+    also the embedding when tied, is left to autocast). On a GPU a decoding step is bound by kernel
+    launches, so a cast per call and step costs more than one cast per rollout. A LoRA layer gives
+    way to a plain linear holding its merged weight W + s*B@A, so decoding costs what it costs
+    without adapters. Costs a `dtype` copy of those weights while the block runs. The parameters
+    themselves are not touched (a dtype change through `.data` would drop their gradient hooks)."""
+    layers = model.model.layers
+    swapped = []  # (parent, leaf name, own module, its copy)
+    for name, m in layers.named_modules():
+        parent_name, _, leaf = name.rpartition(".")
+        parent = layers.get_submodule(parent_name)
+        if isinstance(m, LoraLinear) or (isinstance(m, torch.nn.Linear) and not isinstance(parent, LoraLinear)):
+            copy = torch.nn.Linear(m.weight.shape[1], m.weight.shape[0], bias=m.bias is not None, device="meta")
+            copy.weight = torch.nn.Parameter(m.weight.detach().to(dtype), requires_grad=False)
+            if m.bias is not None:
+                copy.bias = torch.nn.Parameter(m.bias.detach().to(dtype), requires_grad=False)
+            swapped.append((parent, leaf, m, copy))
     try:
-        for m, name, p in own:
-            m._parameters[name] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
+        for parent, leaf, _, copy in swapped:
+            setattr(parent, leaf, copy)
         yield
     finally:
-        for m, name, p in own:
-            m._parameters[name] = p
+        for parent, leaf, m, _ in swapped:
+            setattr(parent, leaf, m)
 
 
 def stop_hits(recent: torch.Tensor, eos: torch.Tensor,
@@ -185,7 +196,8 @@ def generate(
                          f"narrows; load the model in {dtype} instead")
     narrowing = dtype != model.lm_head_weight.dtype
     use_packed = use_packed_decoder(device)  # on CPU: it keeps `dtype` copies of the weights itself
-    weights = matmul_weights_in(model, dtype) if narrowing and not use_packed else contextlib.nullcontext()
+    merge = narrowing or any(isinstance(m, LoraLinear) for m in model.modules())
+    weights = matmul_weights_in(model, dtype) if merge and not use_packed else contextlib.nullcontext()
     with weights:
         prompt_cache, first_logits = prefill(model, [list(p) for p in distinct], dtype)
         if not bool(torch.isfinite(first_logits).all()):  # one sync per rollout; NaN logits would sample id V
