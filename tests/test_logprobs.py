@@ -108,9 +108,12 @@ def test_entropy_and_its_gradient_stay_finite_where_the_fp32_softmax_underflows(
 
 
 @pytest.mark.parametrize("recompute", [True, False])
-def test_bf16_inputs_compute_in_fp32_and_return_bf16_grads(recompute):
+@pytest.mark.parametrize("block_rows", [1024, 8], ids=["one-block", "ragged-blocks"])
+def test_bf16_inputs_compute_in_fp32_and_return_bf16_grads(recompute, block_rows, monkeypatch):
     """bf16 h and W: logits are formed in fp32 from the bf16 values, so the only error left
-    is fp32 rounding; grads come back in bf16 (one bf16 rounding of the fp64 grad)."""
+    is fp32 rounding; grads come back in bf16 (one bf16 rounding of the fp64 grad). W is cast a
+    block of rows at a time, in one block or in five (V = 37, the last ragged)."""
+    monkeypatch.setattr(logprobs, "WEIGHT_BLOCK_ROWS", block_rows)
     (hidden, weight), targets = make_inputs(dtype=torch.bfloat16)
     logp, entropy = token_logprobs(hidden, weight, targets, chunk_size=4, recompute=recompute)
     hidden64, weight64 = (x.detach().double().requires_grad_() for x in (hidden, weight))
@@ -125,6 +128,9 @@ def test_bf16_inputs_compute_in_fp32_and_return_bf16_grads(recompute):
     assert grad_h.dtype == torch.bfloat16 and grad_w.dtype == torch.bfloat16
     torch.testing.assert_close(grad_h.double(), ref_h, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(grad_w.double(), ref_w, rtol=1e-2, atol=1e-2)
+    grad_h_entropy, = grads(entropy, [hidden], upstream)
+    ref_h_entropy, = grads(ref_entropy, [hidden64], upstream.double())
+    torch.testing.assert_close(grad_h_entropy.double(), ref_h_entropy, rtol=1e-2, atol=1e-2)
 
 
 def saved_shapes(**kwargs):

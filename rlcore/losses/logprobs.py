@@ -36,12 +36,40 @@ SAVE_PROBS_MAX_BYTES = 512 * 2**20
 """Largest [N, V] softmax that recompute=None keeps for backward instead of recomputing logits."""
 
 
+WEIGHT_BLOCK_ROWS = 16384
+"""Rows of a weight narrower than the compute dtype (a bf16 output layer) cast per matmul: it is
+never copied whole (an fp32 copy of Qwen2.5's 151,936 x 896 embedding is 0.54 GB), at the price of
+casting it once per chunk, which costs time next to the matmul but no memory."""
+
+
+def _times_weight_t(h: Tensor, weight: Tensor, dtype: torch.dtype, out: Tensor) -> Tensor:
+    """`out [C, V] = h [C, H] @ weight.T` in `dtype`, casting `weight` [V, H] a block of rows at a time."""
+    if weight.dtype == dtype:
+        return torch.mm(h, weight.T, out=out)
+    for start in range(0, weight.shape[0], WEIGHT_BLOCK_ROWS):
+        block = slice(start, start + WEIGHT_BLOCK_ROWS)
+        out[:, block] = h @ weight[block].to(dtype).T
+    return out
+
+
+def _times_weight(grad_z: Tensor, weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """`grad_z [C, V] @ weight [V, H]` in `dtype`, casting `weight` a block of rows at a time."""
+    if weight.dtype == dtype:
+        return grad_z @ weight
+    out = None
+    for start in range(0, weight.shape[0], WEIGHT_BLOCK_ROWS):
+        block = slice(start, start + WEIGHT_BLOCK_ROWS)
+        part = grad_z[:, block] @ weight[block].to(dtype)
+        out = part if out is None else out.add_(part)
+    return out
+
+
 def _chunk_logits(
     h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, buf: Tensor
 ) -> Tensor:
-    """[C, H] rows -> [C, V] temperature-scaled logits in the dtype of `weight`, written into the
+    """[C, H] rows -> [C, V] temperature-scaled logits in the dtype of `buf`, written into the
     first C rows of the reusable buffer `buf` [chunk_size, V]."""
-    logits = torch.mm(h.to(weight.dtype), weight.T, out=buf[: h.shape[0]])
+    logits = _times_weight_t(h.to(buf.dtype), weight, buf.dtype, buf[: h.shape[0]])
     if bias is not None:
         logits += bias
     if temperature != 1.0:
@@ -93,11 +121,10 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, recompute):
         # Compute in fp32 at least (bf16 logits lose ~0.1 nats at |logit| ~ 20); fp64 stays fp64
-        # so gradcheck works. Upcasting a bf16 W costs one fp32 V x H copy per call, not per chunk.
+        # so gradcheck works. A bf16 W is cast block by block (WEIGHT_BLOCK_ROWS), never whole.
         dtype = torch.promote_types(weight.dtype, torch.float32)
-        w = weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
-        n, vocab = hidden.shape[0], w.shape[0]
+        n, vocab = hidden.shape[0], weight.shape[0]
         logp = hidden.new_empty(n, dtype=dtype)
         entropy = hidden.new_empty(n, dtype=dtype)
         lse = hidden.new_empty(n, dtype=dtype)
@@ -107,11 +134,11 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         exp_buf = hidden.new_empty(chunk, dtype=dtype) if recompute and kernel is None else None
         probs = None if recompute else hidden.new_empty(n, vocab, dtype=dtype)
         if not recompute:  # every row's logits at once, into the softmax's buffer: one large matmul runs
-            _chunk_logits(hidden, w, b, temperature, probs)  # faster than chunk-sized ones (~70 ms of 340)
+            _chunk_logits(hidden, weight, b, temperature, probs)  # faster than chunk-sized ones (~70 ms of 340)
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
             if recompute:
-                z, p_buf = _chunk_logits(hidden[rows], w, b, temperature, buf), exp_buf
+                z, p_buf = _chunk_logits(hidden[rows], weight, b, temperature, buf), exp_buf
             else:
                 z, p_buf = probs[rows], buf
             if kernel is None:
@@ -131,18 +158,18 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         hidden, weight, bias, targets, lse, entropy, probs = ctx.saved_tensors
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
         dtype = lse.dtype
-        w = weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n = hidden.shape[0]
         grad_h = torch.empty_like(hidden) if need_h else None
         # accumulated in fp32 across chunks; the first chunk writes it (no rows: zeros)
-        grad_w = (torch.empty_like(w) if n else torch.zeros_like(w)) if need_w else None
+        grad_w = (weight.new_empty(weight.shape, dtype=dtype) if n else weight.new_zeros(weight.shape, dtype=dtype)
+                  ) if need_w else None
         grad_b = torch.zeros_like(b) if need_b else None
         # chain rule through logits = (h @ W.T + b) / temperature, applied to the [N] upstreams
         grad_logp = lse.new_zeros(n) if grad_logp is None else grad_logp.to(dtype) / temperature
         grad_ent = None if grad_entropy is None else grad_entropy.to(dtype) / temperature
-        buf = hidden.new_empty(min(chunk_size, n), w.shape[0], dtype=dtype)
+        buf = hidden.new_empty(min(chunk_size, n), weight.shape[0], dtype=dtype)
         kernel = None if probs is not None else cuda.kernels("token_logprobs", hidden.device)
         q_buf = None if grad_ent is None or probs is not None or kernel is not None else torch.empty_like(buf)
         for start in range(0, n, chunk_size):
@@ -151,7 +178,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             g = grad_logp[rows, None]
             g_h = None if grad_ent is None else grad_ent[rows]  # [C]; chunk_grad_ says what backward computes
             if probs is None:  # recompute: the price of not saving N x V in forward
-                grad_z = _chunk_logits(h, w, b, temperature, buf)
+                grad_z = _chunk_logits(h, weight, b, temperature, buf)
                 if kernel is None:
                     chunk_grad_(grad_z, targets[rows], lse[rows], entropy[rows], grad_logp[rows], g_h,
                                 None if q_buf is None else q_buf[: h.shape[0]])
@@ -166,7 +193,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 grad_z.addcmul_(q, g + g_h[:, None] * entropy[rows, None]).neg_()
                 grad_z.scatter_add_(1, targets[rows, None], g)
             if need_h:
-                grad_h[rows] = (grad_z @ w).to(hidden.dtype)
+                grad_h[rows] = _times_weight(grad_z, weight, dtype).to(hidden.dtype)
             if need_w and start == 0:  # written, not added: no pass to zero [V, H] first
                 torch.mm(grad_z.T, h, out=grad_w)
             elif need_w:
@@ -196,8 +223,9 @@ def token_logprobs(
     Padding positions need a valid token id; mask them in the loss.
     bf16 inputs are computed in fp32 per chunk and receive grads in bf16.
 
-    Extra memory is at most two chunk_size x V fp32 buffers (one through the CUDA kernels) plus
-    an fp32 grad of `weight`, and, until backward, whatever `recompute` keeps: True keeps O(N),
+    Extra memory is at most two chunk_size x V fp32 buffers (one through the CUDA kernels), an
+    fp32 grad of `weight` when it requires grad (a bf16 `weight` is never copied whole to fp32:
+    WEIGHT_BLOCK_ROWS), and, until backward, whatever `recompute` keeps: True keeps O(N),
     and backward recomputes the logits (one more chunk x H x V matmul per chunk); False keeps the
     fp32 [N, V] softmax and backward skips that matmul; None keeps it when it is at most
     SAVE_PROBS_MAX_BYTES (512 MiB: 2048 x 32000 is kept, 4096 x 151936 is recomputed). Without
