@@ -93,7 +93,11 @@ def tool_schema(fn: Callable) -> dict:
 def parameters_schema(fn: Callable, name: str) -> dict:
     """{"type": "object", "properties": ..., "required": [...]} from the type hints; a "return"
     property holds the return hint when it converts (it is dropped silently when it does not)."""
-    hints = get_type_hints(fn)
+    try:
+        hints = get_type_hints(fn)
+    except Exception as err:  # a forward reference to a name the module does not define, say
+        raise ToolSchemaError(f"tool {name}: its type hints cannot be resolved ({type(err).__name__}: {err}); "
+                              f"use types defined where the tool is") from None
     params = inspect.signature(fn).parameters
     first = next(iter(params), None)
     receiver = first if first in ("self", "cls") and params[first].annotation is inspect.Parameter.empty else None

@@ -55,8 +55,10 @@ def load_tool(name: str) -> Callable:
     """The tool a "module:function" config entry names, its schema checked now rather than mid-run."""
     tool = load_named(name, "tools")
     if not (inspect.isfunction(tool) or inspect.ismethod(tool)):
-        raise ValueError(f"tools entry {name!r} is a {type(tool).__name__}, not a function; a tool is a def with "
-                         f"type hints and a docstring (transformers and TRL take functions and methods only)")
+        kind = "class" if inspect.isclass(tool) else f"{type(tool).__name__} object"
+        raise ValueError(f"tools entry {name!r} names a {kind}, not a function; a tool is a def with type hints and "
+                         f"a docstring (transformers and TRL take functions and methods only; an environment's "
+                         f"methods are tools through environment_factory)")
     try:
         tool_schema(tool)
     except ValueError as err:
@@ -69,8 +71,8 @@ def load_environment_factory(name: str) -> Callable[[], object]:
     returns a new environment."""
     factory = load_named(name, "environment_factory")
     if not callable(factory):
-        raise ValueError(f"environment_factory {name!r} is a {type(factory).__name__}; name the environment's class "
-                         f"(or a function that returns a new environment)")
+        raise ValueError(f"environment_factory {name!r} names a {type(factory).__name__} object, which cannot make "
+                         f"environments; name the environment's class (or a function that returns a new environment)")
     return factory
 
 
@@ -151,7 +153,7 @@ class ToolResult:
 
 
 class ToolTimeout(Exception):
-    pass
+    """A tool call ran past its timeout."""
 
 
 def run_tool_calls(calls: list[ToolCall], tools: dict[str, Callable], timeout: float | None) -> list[ToolResult]:

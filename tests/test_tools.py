@@ -9,10 +9,7 @@ The templates are tests/chat_templates' (Qwen2.5, Llama 3, Llama 3.1) and, from 
 Llama 3.2's, Qwen3's and TRL's prefix-preserving Qwen3 training template.
 """
 
-import asyncio
 import enum
-import inspect
-import json
 import threading
 import typing
 from pathlib import Path
@@ -233,6 +230,19 @@ def test_a_function_transformers_cannot_describe_is_an_error_naming_the_problem(
         get_json_schema(fn)
     with pytest.raises(ToolSchemaError, match=message):
         tool_schema(fn)
+
+
+def forward_reference(x: "Undefined"):  # noqa: F821
+    """A hint naming nothing.
+
+    Args:
+        x: Something.
+    """
+
+
+def test_a_type_hint_that_cannot_be_resolved_is_an_error_naming_the_tool():
+    with pytest.raises(ToolSchemaError, match="tool forward_reference: its type hints cannot be resolved"):
+        tool_schema(forward_reference)
 
 
 def test_a_tensor_argument_is_refused_where_transformers_calls_it_audio():
@@ -536,6 +546,17 @@ def test_the_suffix_continues_the_conversation_as_transformers_renders_it(tmp_pa
     assert before + ours.decode(tool_suffix_ids(ours, messages)) == after
 
 
+@pytest.mark.parametrize("enable_thinking", [True, False])
+def test_template_kwargs_reach_the_suffix_as_trls_chat_template_kwargs(tmp_path, enable_thinking):
+    ours, ref = checkpoint(tmp_path, "qwen3_training")
+    messages = [{"role": "tool", "name": "add", "content": "9"}]
+    trainer = SimpleNamespace(processing_class=ref, _is_vlm=False, chat_template=None, _tokenizer=ref,
+                              chat_template_kwargs={"enable_thinking": enable_thinking})
+    suffix = tool_suffix_ids(ours, messages, enable_thinking=enable_thinking)
+    assert suffix == GRPOTrainer._get_tool_suffix_ids(trainer, messages)
+    assert ("<think>" in ours.decode(suffix)) is not enable_thinking  # the template's empty think block
+
+
 def test_a_template_that_is_not_prefix_preserving_is_an_error_naming_the_fix(tmp_path):
     """Qwen3's own template drops the empty <think> block of an assistant turn once a tool message
     follows; TRL's check agrees, and TRL swaps in its training template, which the error names."""
@@ -617,7 +638,7 @@ class Clash:
         """
         return a + b
 
-INSTANCE = object()
+NAMES = ["add", "read"]
 '''
 
 
@@ -627,6 +648,16 @@ def tool_module(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(__import__("sys").modules, "my_tools", raising=False)
     return __import__("my_tools")
+
+
+def test_importing_the_tool_modules_does_not_import_transformers_or_trl():
+    import subprocess
+    import sys
+
+    code = ("import sys, rlcore.tools, rlcore.tool_calls, rlcore.tool_schema; "
+            "print(sorted(m for m in ('transformers', 'trl') if m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "[]"
 
 
 def test_a_tool_is_named_module_colon_function(tool_module):
@@ -640,8 +671,8 @@ def test_a_tool_is_named_module_colon_function(tool_module):
     ("my_tools/x.py:add", "is not 'module:name'"),
     ("no_such_module:add", "module no_such_module cannot be imported"),
     ("my_tools:ad", "did you mean 'add'"),
-    ("my_tools:Counter", "is a type, not a function"),
-    ("my_tools:INSTANCE", "is a object, not a function"),
+    ("my_tools:Counter", "names a class, not a function"),
+    ("my_tools:NAMES", "names a list object, not"),
     ("my_tools:undocumented", "tools entry 'my_tools:undocumented': tool undocumented has no docstring"),
 ])
 def test_a_bad_tool_entry_is_an_error_naming_it(tool_module, name, message):
@@ -699,5 +730,5 @@ def test_a_bad_environment_is_an_error_naming_it(tool_module, name, message):
 
 
 def test_an_environment_factory_that_is_not_callable_is_an_error(tool_module):
-    with pytest.raises(ValueError, match="environment_factory 'my_tools:INSTANCE' is a object"):
-        load_environment_factory("my_tools:INSTANCE")
+    with pytest.raises(ValueError, match="environment_factory 'my_tools:NAMES' names a list object"):
+        load_environment_factory("my_tools:NAMES")
