@@ -100,8 +100,7 @@ def llama_calls(text: str) -> list[ToolCall]:
         except json.JSONDecodeError as err:
             calls.append(ToolCall("unknown", error=f"the tool call is not valid JSON ({err}): "
                                                    f"{short(text[found.start():])}"))
-            position = found.end()
-            continue
+            break  # the rest of the turn is that broken call: a "name" inside it is no call of its own
         calls.append(call_from_json(value, "parameters", text[found.start():position]))
     return calls
 
@@ -133,9 +132,9 @@ def typed_arguments(arguments: dict, properties: dict) -> dict:
         if not types:
             continue
         if isinstance(value, str):
-            typed[key] = cast(value, types)
+            typed[key] = typed_value(value, types)
         elif isinstance(value, list) and "array" not in types:
-            typed[key] = [cast(item, types) if isinstance(item, str) else item for item in value]
+            typed[key] = [typed_value(item, types) if isinstance(item, str) else item for item in value]
     return typed
 
 
@@ -153,7 +152,7 @@ def schema_types(schema) -> list[str]:
     return types
 
 
-def cast(raw: str, types: list[str]):
+def typed_value(raw: str, types: list[str]):
     """`raw` as the first of `types` it reads as; else `raw` itself."""
     for name in types:
         try:

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from rlcore.tokenizer import Tokenizer
-from rlcore.tool_calls import ToolCall, cast, parse_tool_calls, tool_call_format
+from rlcore.tool_calls import ToolCall, parse_tool_calls, tool_call_format, typed_value
 from rlcore.tool_schema import ToolSchemaError, tool_schema
 from rlcore.tools import (Toolbox, environment_tools, load_environment_factory, load_tool, reset_environment,
                           run_tool_calls, tool_messages, tool_suffix_ids)
@@ -357,7 +357,7 @@ def test_calls_parse_as_trl_parses_them(tmp_path, template, text):
 def test_string_arguments_are_typed_as_transformers_types_them(raw, types):
     from transformers.utils.chat_parsing.response_parser import _coerce
 
-    assert repr(cast(raw, types)) == repr(_coerce(raw, tuple(types)))
+    assert repr(typed_value(raw, types)) == repr(_coerce(raw, tuple(types)))
 
 
 @pytest.mark.parametrize("text, error, trl_calls", [
