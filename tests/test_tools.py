@@ -147,6 +147,27 @@ def choices(mode: typing.Literal["fast", "slow"], mixed: typing.Literal[1, "two"
     """
 
 
+def sections(path: str, mode: str = "r", retries: int = 3) -> bytes:
+    """Read a file.
+
+    A second paragraph of the description,
+    over two lines.
+
+    Args:
+        path: Where the file is.
+
+        mode (str, optional): How to open it: the line after
+            continues the description,
+              even indented deeper.
+        retries: How often to try.
+    Returns:
+        The bytes read.
+
+    Raises:
+        OSError: When it cannot be read.
+    """
+
+
 def no_arguments() -> str:
     """Takes nothing and returns the time."""
 
@@ -171,7 +192,8 @@ class Calculator:
         return x * y
 
 
-SCHEMA_CASES = [add, divide, describe, basic, optional_and_defaults, containers, unions, choices, no_arguments, fetch,
+SCHEMA_CASES = [add, divide, describe, basic, optional_and_defaults, containers, unions, choices, sections,
+                no_arguments, fetch,
                 Calculator().multiply, Calculator.multiply]
 
 
