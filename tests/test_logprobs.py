@@ -264,3 +264,19 @@ def test_mismatched_shapes_raise():
         token_logprobs(hidden, weight[:, :-1], targets)
     with pytest.raises(ValueError, match="targets"):
         token_logprobs(hidden, weight, targets[:, :-1])
+
+
+def test_the_default_chunk_size_keeps_a_chunk_buffer_within_its_byte_cap(monkeypatch):
+    """Without chunk_size: 256 rows when a [256, V] fp32 buffer fits CHUNK_MAX_BYTES, else as many
+    rows as fit (5 here, V = 37 fp32: 148 bytes a row), with the same values as the definition."""
+    seen = []
+    apply = logprobs.ChunkedTokenLogprobs.apply
+    monkeypatch.setattr(logprobs.ChunkedTokenLogprobs, "apply", lambda *a: seen.append(a[5]) or apply(*a))
+    (hidden, weight), targets = make_inputs(dtype=torch.float32)
+    token_logprobs(hidden, weight, targets)
+    monkeypatch.setattr(logprobs, "CHUNK_MAX_BYTES", 5 * V * 4 + 3)
+    logp, entropy = token_logprobs(hidden, weight, targets)
+    assert seen == [256, 5]
+    ref_logp, ref_entropy = naive_fp64(hidden.detach(), weight.detach(), targets)
+    torch.testing.assert_close(logp.double(), ref_logp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy.double(), ref_entropy, rtol=1e-5, atol=1e-5)

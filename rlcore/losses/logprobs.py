@@ -35,6 +35,10 @@ from rlcore import cuda
 SAVE_PROBS_MAX_BYTES = 512 * 2**20
 """Largest [N, V] softmax that recompute=None keeps for backward instead of recomputing logits."""
 
+CHUNK_MAX_BYTES = 64 * 2**20
+"""Largest [chunk_size, V] buffer of the default chunk_size: 256 rows up to a 65k vocabulary,
+fewer beyond (110 at Qwen's 151,936), where a chunk's matmul is still large enough to run at speed."""
+
 
 WEIGHT_BLOCK_ROWS = 16384
 """Rows of a weight narrower than the compute dtype (a bf16 output layer) cast per matmul: it is
@@ -210,7 +214,7 @@ def token_logprobs(
     weight: Tensor,
     targets: Tensor,
     temperature: float = 1.0,
-    chunk_size: int = 256,
+    chunk_size: int | None = None,
     bias: Tensor | None = None,
     recompute: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
@@ -223,7 +227,8 @@ def token_logprobs(
     Padding positions need a valid token id; mask them in the loss.
     bf16 inputs are computed in fp32 per chunk and receive grads in bf16.
 
-    Extra memory is at most two chunk_size x V fp32 buffers (one through the CUDA kernels), an
+    `chunk_size` (default: 256, or fewer so that a buffer takes at most CHUNK_MAX_BYTES) rows per
+    pass. Extra memory is at most two chunk_size x V fp32 buffers (one through the CUDA kernels), an
     fp32 grad of `weight` when it requires grad (a bf16 `weight` is never copied whole to fp32:
     WEIGHT_BLOCK_ROWS), and, until backward, whatever `recompute` keeps: True keeps O(N),
     and backward recomputes the logits (one more chunk x H x V matmul per chunk); False keeps the
@@ -233,6 +238,9 @@ def token_logprobs(
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size is None:
+        itemsize = torch.promote_types(weight.dtype, torch.float32).itemsize
+        chunk_size = max(1, min(256, CHUNK_MAX_BYTES // (weight.shape[0] * itemsize)))
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if recompute is not None and not isinstance(recompute, bool):
