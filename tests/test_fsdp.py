@@ -1,0 +1,196 @@
+"""train.fsdp over 2 gloo processes (rlcore.sharding): FSDP trains as one process with micro-batches
+twice as large and as the replicated mode does; its sharded checkpoints resume exactly, survive a
+SIGKILL during a save, resume on one rank, and export the full model.
+
+Every run trains a tiny Qwen2 checkpoint on completions fixed by their rows' place in the round
+(test_distributed.FIXED_ROLLOUT), so runs with other rank counts see the same completions.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlcore.cli import main
+from rlcore.rundir import sharded_model
+from test_distributed import FIXED_ROLLOUT
+from test_train import rows, torchrun, weights, without_timing
+from test_train_hf import write_gsm8k
+
+# test_distributed's script, with a resumed run's first round numbered FIRST_ROUND (the rounds it skips)
+FIXED = FIXED_ROLLOUT.replace("fixed_completions(len(rounds),",
+                              "fixed_completions(len(rounds) + int(os.environ.get('FIRST_ROUND', '0')),")
+assert FIXED != FIXED_ROLLOUT
+
+# rank 1 dies (SIGKILL) inside torch.distributed.checkpoint's writing of checkpoint-4, after its shard
+KILLED_IN_SAVE = FIXED.replace("sys.exit(main(sys.argv[1:]))", """
+import signal
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+real_write = FileSystemWriter.write_data
+
+
+def write_data(self, plan, planner):
+    written = real_write(self, plan, planner)
+    written.wait()
+    if os.environ["RANK"] == "1" and "checkpoint-4" in str(self.path):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return written
+
+FileSystemWriter.write_data = write_data
+sys.exit(main(sys.argv[1:]))
+""")
+
+
+@pytest.fixture(scope="module")
+def setting(tmp_path_factory):
+    """A tiny Qwen2 checkpoint, 32 prompts and the scripts every run of this file uses."""
+    from conftest import save_model_for_tokenizer
+    from rlcore.tokenizer import Tokenizer
+    from test_tokenizer import qwen2_pipeline_checkpoint
+
+    root = tmp_path_factory.mktemp("fsdp")
+    model_dir = qwen2_pipeline_checkpoint(root / "qwen")
+    save_model_for_tokenizer(model_dir, "qwen2", Tokenizer.from_dir(model_dir))
+    (root / "fixed_rollout.py").write_text(FIXED)
+    (root / "killed_in_save.py").write_text(KILLED_IN_SAVE)
+    return {"root": root, "model": model_dir, "data": write_gsm8k(root / "prompts.jsonl", range(8))}
+
+
+def options(setting, loss_type: str) -> list[str]:
+    """4 optimizer steps of mu = 2 replays with GA = 2 (2 rounds), checkpoints at steps 2 and 4."""
+    return [f"model.path={setting['model']}", "data.task=jsonl", f"data.path={setting['data']}",
+            "data.prompt_column=question", "data.num_eval=0", "rollout.num_generations=4",
+            "rollout.max_completion_length=6", f"loss.loss_type={loss_type}", "loss.num_iterations=2",
+            "loss.reward_funcs=['conftest:token_reward']", "train.gradient_accumulation_steps=2",
+            "train.learning_rate=0.01", "train.max_steps=4", "train.save_steps=2", "train.max_grad_norm=0.5",
+            "train.device=cpu", "train.bf16=false"]
+
+
+def sets(*overrides) -> list[str]:
+    return [a for o in overrides for a in ("--set", o)]
+
+
+def launch(setting, name: str, ranks: int, args: list[str], script: str = "fixed_rollout.py"):
+    """Run the `rlcore` CLI with `args` on `ranks` processes, with the completions fixed, in a
+    directory of its own (where the script records how near a clip bound each ratio came)."""
+    cwd = setting["root"] / f"cwd-{name}"
+    cwd.mkdir(exist_ok=True)
+    if ranks == 2:
+        return torchrun(cwd, *args, script=setting["root"] / script)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    return subprocess.run([sys.executable, str(setting["root"] / script), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def train_run(setting, name: str, ranks: int, b: int, loss_type: str = "dapo", *extra) -> Path:
+    run = setting["root"] / name
+    out = launch(setting, name, ranks, ["train", *sets(*options(setting, loss_type), f"train.output_dir={run}",
+                                                        f"train.per_device_train_batch_size={b}", *extra)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run
+
+
+def assert_far_from_clip_bounds(setting, *names):
+    """The runs' log-probs differ in the last bits (other batch shapes or reduction orders): a ratio on a
+    clip bound could fall on either side, and the runs would then differ by more than rounding."""
+    margins = [float(x) for name in names for f in (setting["root"] / f"cwd-{name}").glob("margins-*.txt")
+               for x in f.read_text().split()]
+    assert margins and min(margins) > 1e-5, f"a ratio sits {min(margins):.1e} from a clip bound"
+
+
+def assert_trained_alike(a: Path, b: Path, init_dir: Path, step: int = 4):
+    """Runs a and b saw the same completions and moved every weight alike: the same rewards, gradient
+    norms to 1e-5, and each tensor's update to 0.1% (Adam moves an element whose gradient is rounding
+    noise by its sign)."""
+    ra, rb = rows(a), rows(b)
+    assert [r["reward/mean"] for r in rb] == [r["reward/mean"] for r in ra]
+    assert [r["grad_norm"] for r in rb] == pytest.approx([r["grad_norm"] for r in ra], rel=1e-5)
+    wa, wb = weights(a / f"checkpoint-{step}" / "model"), weights(b / f"checkpoint-{step}" / "model")
+    init = weights(init_dir)
+    for name in wa:
+        moved = wa[name] - init[name]
+        assert moved.abs().max() > 1e-3, name
+        assert (wb[name] - init[name] - moved).norm() <= 1e-3 * moved.norm(), name
+
+
+@pytest.fixture(scope="module")
+def fsdp_dapo(setting):
+    """The FSDP run every test below compares with: 2 ranks x b = 3, dapo."""
+    return train_run(setting, "fsdp-dapo", 2, 3, "dapo", "train.fsdp=true")
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_fsdp_on_two_ranks_trains_as_one_process_with_micro_batches_twice_as_large(loss_type, setting, fsdp_dapo):
+    two = fsdp_dapo if loss_type == "dapo" else train_run(setting, "fsdp-grpo", 2, 3, "grpo", "train.fsdp=true")
+    one = train_run(setting, f"one-{loss_type}", 1, 6, loss_type)
+    assert_far_from_clip_bounds(setting, two.name, one.name)
+    assert_trained_alike(one, two, setting["model"])
+
+
+def test_fsdp_trains_as_the_replicated_mode(setting, fsdp_dapo):
+    replicated = train_run(setting, "replicated-dapo", 2, 3, "dapo")
+    assert_far_from_clip_bounds(setting, replicated.name, fsdp_dapo.name)
+    assert_trained_alike(replicated, fsdp_dapo, setting["model"])
+
+
+def test_a_sharded_checkpoint_holds_the_shards_and_the_last_one_the_full_model(fsdp_dapo):
+    first, last = fsdp_dapo / "checkpoint-2", fsdp_dapo / "checkpoint-4"
+    assert sorted(p.name for p in (first / "sharded").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not (first / "model").exists() and (last / "model" / "model.safetensors").is_file()
+    # the shards, gathered in one process, are the weights rank 0 gathered and wrote at the end
+    gathered, single = weights(last / "model"), sharded_model(last)[0].state_dict()
+    assert gathered.keys() == single.keys()
+    assert all(torch.equal(gathered[k], single[k]) for k in gathered)
+
+
+def test_a_sharded_run_resumed_from_its_checkpoint_trains_as_the_uninterrupted_one(setting, fsdp_dapo, tmp_path,
+                                                                                    monkeypatch):
+    run = tmp_path / "resumed"
+    subprocess.run(["cp", "-r", str(fsdp_dapo), str(run)], check=True)
+    (run / "latest").write_text("checkpoint-2")  # as if it had stopped after step 2, the first round's last
+    monkeypatch.setenv("FIRST_ROUND", "1")
+    subprocess.run(["rm", "-r", str(run / "checkpoint-4")], check=True)
+    out = launch(setting, "resumed", 2, ["train", "--resume", str(run)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"resumed from {run / 'checkpoint-2'} at step 2" in out.stdout
+    assert [without_timing(r) for r in rows(run)] == [without_timing(r) for r in rows(fsdp_dapo)]
+    wa, wb = weights(fsdp_dapo / "checkpoint-4" / "model"), weights(run / "checkpoint-4" / "model")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_a_sigkill_during_a_sharded_save_leaves_the_previous_checkpoint_which_resumes_on_one_rank(setting, fsdp_dapo,
+                                                                                                   monkeypatch):
+    """Rank 1 dies inside DCP's writing of checkpoint-4; checkpoint-2 stays the one `latest` names. The 2-rank
+    checkpoint then resumes on 1 process with micro-batches twice as large (the same rounds of 12 completions),
+    which trains as the 2 ranks did (the first test's equivalence): DCP gathered every shard."""
+    run = setting["root"] / "killed"
+    out = launch(setting, "killed", 2, ["train", *sets(*options(setting, "dapo"), f"train.output_dir={run}",
+                                                       "train.per_device_train_batch_size=3", "train.fsdp=true")],
+                 script="killed_in_save.py")
+    assert out.returncode != 0
+    assert (run / "latest").read_text() == "checkpoint-2" and (run / ".checkpoint-4.tmp").is_dir()
+    assert not (run / "checkpoint-4").exists()
+
+    monkeypatch.setenv("FIRST_ROUND", "1")  # checkpoint-2 ends the first round
+    out = launch(setting, "killed-resumed", 1, ["train", "--resume", str(run),
+                                                *sets("train.per_device_train_batch_size=6")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "1 rank(s) x 12 completions = 3 prompts x G=4 per round" in out.stdout
+    assert not (run / ".checkpoint-4.tmp").exists()
+    assert_trained_alike(fsdp_dapo, run, setting["model"])
+
+
+def test_rlcore_export_gathers_a_sharded_checkpoint_into_a_hugging_face_model(setting, fsdp_dapo, tmp_path):
+    one = setting["root"] / "one-dapo"
+    if not one.exists():
+        one = train_run(setting, "one-dapo", 1, 6, "dapo")
+    assert main(["export", str(fsdp_dapo / "checkpoint-2"), str(tmp_path / "hf")]) == 0
+    exported, reference, init = (weights(d) for d in (tmp_path / "hf", one / "checkpoint-2" / "model",
+                                                      setting["model"]))
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    for name in reference:
+        moved = reference[name] - init[name]
+        assert (exported[name] - init[name] - moved).norm() <= 1e-3 * moved.norm(), name
