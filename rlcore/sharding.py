@@ -13,8 +13,8 @@ What the loop needs besides a model that computes as before, each in one functio
   shared prompt pass) accumulate unreduced, and the step's last backward reduce-scatters the sum
   once, as the replicated mode all-reduces once per step.
 - The root keeps its parameters gathered from its forward until its backward, so the chunked
-  log-probs, which read `lm_head_weight` after the forward returns, read the full matrix;
-  `output_projection` checks that it is not a shard.
+  log-probs, which read `lm_head_weight` after the forward returns, read the full matrix (read at
+  another time it is a DTensor shard, and their matmul raises: it is never silently a shard).
 - `EngineCopy`: the rollout engine decodes token by token, with rows that stop at other steps on
   every rank; it runs on a plain copy of the model whose full weights are gathered once per
   rollout (and freed after it), never through FSDP's per-layer gathers.
@@ -105,16 +105,6 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     squares summed over the ranks) comes back as a plain tensor, the same on every rank."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-
-def output_projection(model: Transformer) -> torch.Tensor:
-    """`model.lm_head_weight`, and an error when it is a shard (read before the root's forward
-    gathered it, or after a backward freed it) rather than a wrong log-prob."""
-    weight = model.lm_head_weight
-    if isinstance(weight, DTensor):
-        raise RuntimeError("the output projection is sharded here: read lm_head_weight between the model's forward "
-                           "and its backward, when FSDP holds the full matrix (rlcore.sharding)")
-    return weight
 
 
 def reshard(model: nn.Module) -> None:

@@ -194,3 +194,89 @@ def test_rlcore_export_gathers_a_sharded_checkpoint_into_a_hugging_face_model(se
     for name in reference:
         moved = reference[name] - init[name]
         assert (exported[name] - init[name] - moved).norm() <= 1e-3 * moved.norm(), name
+
+
+# ---- rlcore.sharding in 2 spawned gloo processes, on a tiny random model ----
+
+def tiny_model(tied: bool) -> "Transformer":
+    from rlcore.model import ModelConfig, Transformer
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, tie_word_embeddings=tied,
+                      qkv_bias=True)
+    return Transformer(cfg).double()  # fp64: the sharded and the plain gradients agree to 1e-12
+
+
+def rows_sharing_prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    """8 rows of 4 prompt + 6 completion tokens, rows 2k and 2k+1 with the same prompt."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (8, 10), generator=g)
+    ids[:, :4] = ids[torch.arange(8) // 2 * 2, :4]
+    return ids, torch.ones_like(ids)
+
+
+def _sharded_step_on_rank(rank, init_file, out_dir, tied):
+    import torch.distributed as dist
+    from rlcore import sharding
+    from rlcore.forward import SharedPrompts, completion_logprobs
+    from rlcore.losses.logprobs import token_logprobs
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    model = tiny_model(tied)
+    engine = sharding.EngineCopy(model)
+    sharding.shard(model, 2, torch.device("cpu"), bf16=False)
+    ids, attn = rows_sharing_prompts()
+    mine = slice(4 * rank, 4 * rank + 4)
+    shards_before = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    try:  # before a forward the output projection is a shard: the log-prob matmul must refuse it
+        token_logprobs(torch.zeros(1, 1, 16, dtype=torch.float64), model.lm_head_weight,
+                       torch.zeros(1, 1, dtype=torch.long))
+        refused = False
+    except (RuntimeError, NotImplementedError):
+        refused = True
+    # one optimizer step's 2 micro-batches of 2 rows sharing one prompt pass, as the loop runs them
+    shared = SharedPrompts.build(model, ids[mine], attn[mine], 4)
+    logps = []
+    for j, mb in enumerate((slice(4 * rank, 4 * rank + 2), slice(4 * rank + 2, 4 * rank + 4)), 1):
+        logp, _ = completion_logprobs(model, ids[mb], attn[mb], 4, ids[mb, 4:], 1.0, None, shared)
+        sharding.sync_gradients(model, last=False)
+        logp.sum().backward()
+        logps.append(logp.detach())
+    sharding.sync_gradients(model, last=True)
+    shared.backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    with engine.gathered(model) as plain:
+        full = {n: p.clone() for n, p in plain.named_parameters()}
+    freed = all(p.is_meta for p in engine.model.parameters())
+    torch.save((refused, torch.cat(logps), grads, full, shards_before, freed), os.path.join(out_dir, f"{rank}.pt"))
+    dist.destroy_process_group()
+    from conftest import exit_spawned_rank
+    exit_spawned_rank()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_sharded_log_probs_and_gradients_are_the_plain_models(tied, tmp_path):
+    """Per rank: the chunked log-probs read the gathered output projection (never a shard), the shared
+    prompt pass's several backwards reduce once, to the mean over the ranks of each rank's gradient;
+    the engine's copy holds the full weights, and frees them after."""
+    import torch.multiprocessing as mp
+    from rlcore.forward import completion_logprobs
+
+    mp.spawn(_sharded_step_on_rank, args=(str(tmp_path / "init"), str(tmp_path), tied), nprocs=2)
+    out = [torch.load(tmp_path / f"{rank}.pt") for rank in (0, 1)]
+    plain = tiny_model(tied)
+    ids, attn = rows_sharing_prompts()
+    logp, _ = completion_logprobs(plain, ids, attn, 4, ids[:, 4:])
+    (logp.sum() / 2).backward()  # the mean over 2 ranks of each one's sum over its rows
+    for rank in (0, 1):
+        refused, got_logp, grads, full, _, freed = out[rank]
+        assert refused and freed
+        torch.testing.assert_close(got_logp, logp[4 * rank:4 * rank + 4].detach(), rtol=1e-12, atol=1e-12)
+        for name, p in plain.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=1e-12, msg=name)
+            assert torch.equal(full[name], p.detach()), name
+    # each rank held half of each weight's rows
+    for name, p in plain.named_parameters():
+        halves = [out[rank][4][name] for rank in (0, 1)]
+        assert torch.equal(torch.cat(halves), p.detach()), name
