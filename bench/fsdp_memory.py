@@ -7,8 +7,9 @@ memory trackers (torch.distributed._tools: MemTracker, and FSDPMemTracker for th
 sort every tensor the step allocates or touches by what it holds, after every operator; the peak
 over the step of the bytes of parameters, gradients and optimizer state together (FSDP: sharded
 and gathered ones, and its all-gather and reduce-scatter buffers) is the number compared.
-Activations are left out: they are the same in both modes. Printed per rank; last line fsdp_rank_mem_ratio=<FSDP / replicated>, rank 0's
-(ideal 1/2 on 2 ranks, plus the one block and the root FSDP holds gathered while they compute).
+Activations are left out: they are the same in both modes. Printed per rank; last line
+fsdp_rank_mem_ratio=<FSDP / replicated>, rank 0's (1/2 on 2 ranks, unless the gathered block and
+root during backward outweigh the optimizer step's shards).
 
     python bench/fsdp_memory.py [--device cpu|cuda]
 """
@@ -111,7 +112,8 @@ def main() -> None:
         n_params = sum(p.numel() for p in Transformer(
             ModelConfig(**SHAPE, head_dim=SHAPE["hidden_size"] // SHAPE["num_attention_heads"])).parameters())
     print(f"{n_params / 1e6:.1f}M parameters (fp32), {WORLD} ranks on {args.device}, {ROWS} completions of "
-          f"{PROMPT} + {COMPLETION} tokens per rank, one optimizer step; MiB where parameters, gradients and optimizer state peak together, per rank:")
+          f"{PROMPT} + {COMPLETION} tokens per rank, one optimizer step; MiB where parameters, gradients and "
+          f"optimizer state peak together, per rank:")
     for mode, ranks in results.items():
         for rank, held in enumerate(ranks):
             parts = ", ".join(f"{kind.lower()} {n / 2**20:.1f}" for kind, n in sorted(held.items()) if n)

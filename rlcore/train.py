@@ -155,7 +155,8 @@ def sample_round(run: Run, state: RunState, rows: list[dict]) -> rollout.Rollout
                                 stop_sequences=run.stop_sequences, generator=state.sampler,
                                 dtype=run.amp,
                                 progress=lambda tokens, finished: progress.report(
-                                    f"{tokens}/{rollout_cfg.max_completion_length} tokens, {finished}/{rows_label} done"))
+                                    f"{tokens}/{rollout_cfg.max_completion_length} tokens, "
+                                    f"{finished}/{rows_label} done"))
 
 
 @dataclass
