@@ -280,3 +280,26 @@ def test_sharded_log_probs_and_gradients_are_the_plain_models(tied, tmp_path):
     for name, p in plain.named_parameters():
         halves = [out[rank][4][name] for rank in (0, 1)]
         assert torch.equal(torch.cat(halves), p.detach()), name
+
+
+def test_lora_under_fsdp_on_two_ranks_trains_as_one_process(setting, tmp_path):
+    """LoRA's adapters shard with the frozen base they sit on; the 2 ranks' adapters, merged by `rlcore export`,
+    move the base's projections as one process's do (no adapter dropout: its random draws differ by rank)."""
+    lora = ["lora.enabled=true", "lora.r=4", "lora.alpha=8", "lora.dropout=0.0"]
+    two = train_run(setting, "lora-fsdp", 2, 3, "dapo", "train.fsdp=true", *lora)
+    one = train_run(setting, "lora-one", 1, 6, "dapo", *lora)
+    assert_far_from_clip_bounds(setting, two.name, one.name)
+    assert sorted(p.name for p in (two / "checkpoint-2" / "sharded").iterdir()) == [".metadata", "__0_0.distcp",
+                                                                                    "__1_0.distcp"]
+    assert (two / "checkpoint-4" / "adapter" / "adapter_model.safetensors").is_file()
+    assert [r["grad_norm"] for r in rows(two)] == pytest.approx([r["grad_norm"] for r in rows(one)], rel=1e-5)
+    for run in (one, two):
+        assert main(["export", str(run / "checkpoint-4"), str(tmp_path / run.name)]) == 0
+    wa, wb, init = weights(tmp_path / one.name), weights(tmp_path / two.name), weights(setting["model"])
+    projections = [name for name in wa if name.endswith("proj.weight")]
+    assert projections
+    for name in wa:
+        moved = wa[name] - init[name]
+        if name in projections:
+            assert moved.abs().max() > 1e-4, name
+        assert (wb[name] - init[name] - moved).norm() <= 1e-3 * moved.norm(), name
