@@ -303,3 +303,28 @@ def test_lora_under_fsdp_on_two_ranks_trains_as_one_process(setting, tmp_path):
         if name in projections:
             assert moved.abs().max() > 1e-4, name
         assert (wb[name] - init[name] - moved).norm() <= 1e-3 * moved.norm(), name
+
+
+# ---- the option ----
+
+def test_trls_fsdp_options_set_train_fsdp():
+    from rlcore import ConfigError
+    from rlcore.config import load_config
+
+    assert load_config(None, ["fsdp=full_shard auto_wrap"]).train.fsdp
+    assert load_config(None, ["fsdp=['full_shard']"]).train.fsdp
+    assert not load_config(None, ["fsdp="]).train.fsdp
+    with pytest.raises(ConfigError, match=r"TRL's fsdp = 'full_shard offload': rlcore has no 'offload'"):
+        load_config(None, ["fsdp=full_shard offload"])
+    with pytest.warns(UserWarning, match=r"TRL's fsdp_config = \{'fsdp_version': 2\} is ignored"):
+        load_config(None, ["fsdp_config={fsdp_version = 2}"])
+
+
+def test_fsdp_refuses_fp16_and_a_synced_reference():
+    from rlcore import ConfigError
+    from rlcore.config import load_config
+
+    with pytest.raises(ConfigError, match="fp16 loss scaling is not supported with it"):
+        load_config(None, ["train.fsdp=true", "train.fp16=true", "model.dtype=float32"])
+    with pytest.raises(ConfigError, match="loss.sync_ref_model .* not supported with train.fsdp"):
+        load_config(None, ["train.fsdp=true", "loss.sync_ref_model=true", "loss.beta=0.04"])
