@@ -328,3 +328,33 @@ def test_fsdp_refuses_fp16_and_a_synced_reference():
         load_config(None, ["train.fsdp=true", "train.fp16=true", "model.dtype=float32"])
     with pytest.raises(ConfigError, match="loss.sync_ref_model .* not supported with train.fsdp"):
         load_config(None, ["train.fsdp=true", "loss.sync_ref_model=true", "loss.beta=0.04"])
+
+
+def test_two_torchrun_agents_as_two_nodes_train_with_a_sharded_reference(setting):
+    """docs/distributed.md's multi-node launch, both "nodes" on this machine: two torchrun agents of one rank
+    each meet at a c10d rendezvous on 127.0.0.1. With loss.beta the KL reference is sharded too; the run trains
+    as one process with micro-batches twice as large (FSDP with gradient checkpointing: recomputed blocks gather
+    again)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = setting["root"] / "two-nodes"
+    cwd = setting["root"] / "cwd-two-nodes"
+    cwd.mkdir()
+    args = ["train", *sets(*options(setting, "dapo"), f"train.output_dir={run}", "train.per_device_train_batch_size=3",
+                           "train.fsdp=true", "loss.beta=0.04", "train.gradient_checkpointing=true")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                                "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=rlcore-test",
+                                str(setting["root"] / "fixed_rollout.py"), *args],
+                               cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for _ in range(2)]
+    outputs = [agent.communicate(timeout=300) for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    assert any("2 rank(s) x 6 completions = 3 prompts x G=4 per round" in out for out, _ in outputs)
+    one = train_run(setting, "one-beta", 1, 6, "dapo", "loss.beta=0.04")
+    assert_far_from_clip_bounds(setting, "two-nodes", one.name)
+    assert [r["kl_ref"] for r in rows(run)] == pytest.approx([r["kl_ref"] for r in rows(one)], rel=1e-4)
+    assert_trained_alike(one, run, setting["model"])
