@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from pathlib import Path
 
 import torch
@@ -156,6 +157,14 @@ SHARDS = "sharded"
 """A sharded checkpoint's DCP directory (every rank's files and DCP's .metadata)."""
 
 
+@contextlib.contextmanager
+def _one_process_quietly():
+    """Without a process group DCP warns that it assumes one process: what rlcore means then."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
 def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
     """The trainable weights and the optimizer state, keyed by parameter name (sharded tensors
     under FSDP, plain ones otherwise). LoRA's frozen base is not written: it is model.path's."""
@@ -167,14 +176,16 @@ def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
 def save_shards(directory: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
     """Write the trainable weights and the optimizer state into `directory` with DCP; every rank
     calls it and writes its own shards (collective when a process group runs)."""
-    dcp.save(_state(model, opt), checkpoint_id=directory, no_dist=not dist.is_initialized())
+    with _one_process_quietly():
+        dcp.save(_state(model, opt), checkpoint_id=directory, no_dist=not dist.is_initialized())
 
 
 def load_shards(directory: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
     """Load what `save_shards` wrote into `model` and `opt`, resharded to this run's ranks (a
     checkpoint of 2 ranks loads on 1, sharded or not)."""
     state = _state(model, opt)
-    dcp.load(state, checkpoint_id=directory, no_dist=not dist.is_initialized())
+    with _one_process_quietly():
+        dcp.load(state, checkpoint_id=directory, no_dist=not dist.is_initialized())
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                    options=StateDictOptions(strict=False))
 
@@ -182,4 +193,5 @@ def load_shards(directory: Path, model: nn.Module, opt: torch.optim.Optimizer) -
 def load_weights(directory: Path, model: nn.Module) -> None:
     """Load the weights `save_shards` wrote into a plain `model` in one process (rlcore export)."""
     weights = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
-    dcp.load({"model": weights}, checkpoint_id=directory, no_dist=True)
+    with _one_process_quietly():
+        dcp.load({"model": weights}, checkpoint_id=directory, no_dist=True)

@@ -124,10 +124,15 @@ def fsdp_dapo(setting):
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
 def test_fsdp_on_two_ranks_trains_as_one_process_with_micro_batches_twice_as_large(loss_type, setting, fsdp_dapo):
-    two = fsdp_dapo if loss_type == "dapo" else train_run(setting, "fsdp-grpo", 2, 3, "grpo", "train.fsdp=true")
-    one = train_run(setting, f"one-{loss_type}", 1, 6, loss_type)
+    """grpo with loss.beta: the KL reference is sharded too, and its log-probs are the one process's."""
+    beta = ["loss.beta=0.04"] if loss_type == "grpo" else []
+    two = fsdp_dapo if loss_type == "dapo" else train_run(setting, "fsdp-grpo", 2, 3, "grpo", "train.fsdp=true", *beta)
+    one = train_run(setting, f"one-{loss_type}", 1, 6, loss_type, *beta)
     assert_far_from_clip_bounds(setting, two.name, one.name)
     assert_trained_alike(one, two, setting["model"])
+    if beta:
+        assert [r["kl_ref"] for r in rows(two)] == pytest.approx([r["kl_ref"] for r in rows(one)], rel=1e-4)
+        assert rows(one)[-1]["kl_ref"] > 0
 
 
 def test_fsdp_trains_as_the_replicated_mode(setting, fsdp_dapo):
@@ -198,14 +203,14 @@ def test_rlcore_export_gathers_a_sharded_checkpoint_into_a_hugging_face_model(se
 
 # ---- rlcore.sharding in 2 spawned gloo processes, on a tiny random model ----
 
-def tiny_model(tied: bool) -> "Transformer":
+def tiny_model(tied: bool, dtype=torch.float64) -> "Transformer":
     from rlcore.model import ModelConfig, Transformer
 
     torch.manual_seed(0)
     cfg = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, tie_word_embeddings=tied,
                       qkv_bias=True)
-    return Transformer(cfg).double()  # fp64: the sharded and the plain gradients agree to 1e-12
+    return Transformer(cfg).to(dtype)  # fp64: the sharded and the plain gradients agree to 1e-12
 
 
 def rows_sharing_prompts() -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,16 +221,29 @@ def rows_sharing_prompts() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.ones_like(ids)
 
 
-def _sharded_step_on_rank(rank, init_file, out_dir, tied):
+CASES = [(False, False), (True, False), (False, True)]  # (tied embeddings, bf16 compute)
+
+
+def _sharded_steps_on_rank(rank, init_file, out_dir):
     import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    for tied, bf16 in CASES:
+        torch.save(sharded_step(rank, tied, bf16), os.path.join(out_dir, f"{tied}-{bf16}-{rank}.pt"))
+    dist.destroy_process_group()
+    from conftest import exit_spawned_rank
+    exit_spawned_rank()
+
+
+def sharded_step(rank: int, tied: bool, bf16: bool) -> tuple:
     from rlcore import sharding
     from rlcore.forward import SharedPrompts, completion_logprobs
     from rlcore.losses.logprobs import token_logprobs
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    model = tiny_model(tied)
+    model = tiny_model(tied, torch.float32 if bf16 else torch.float64)
     engine = sharding.EngineCopy(model)
-    sharding.shard(model, 2, torch.device("cpu"), bf16=False)
+    sharding.shard(model, 2, torch.device("cpu"), bf16=bf16)
+    amp = torch.bfloat16 if bf16 else None  # the loop's autocast, as with train.bf16
     ids, attn = rows_sharing_prompts()
     mine = slice(4 * rank, 4 * rank + 4)
     shards_before = {n: p.to_local().clone() for n, p in model.named_parameters()}
@@ -236,45 +254,56 @@ def _sharded_step_on_rank(rank, init_file, out_dir, tied):
     except (RuntimeError, NotImplementedError):
         refused = True
     # one optimizer step's 2 micro-batches of 2 rows sharing one prompt pass, as the loop runs them
-    shared = SharedPrompts.build(model, ids[mine], attn[mine], 4)
+    shared = SharedPrompts.build(model, ids[mine], attn[mine], 4, amp)
     logps = []
     for j, mb in enumerate((slice(4 * rank, 4 * rank + 2), slice(4 * rank + 2, 4 * rank + 4)), 1):
-        logp, _ = completion_logprobs(model, ids[mb], attn[mb], 4, ids[mb, 4:], 1.0, None, shared)
+        logp, _ = completion_logprobs(model, ids[mb], attn[mb], 4, ids[mb, 4:], 1.0, amp, shared)
         sharding.sync_gradients(model, last=False)
         logp.sum().backward()
         logps.append(logp.detach())
     sharding.sync_gradients(model, last=True)
     shared.backward()
-    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}  # the master shards' dtype
     with engine.gathered(model) as plain:
         full = {n: p.clone() for n, p in plain.named_parameters()}
     freed = all(p.is_meta for p in engine.model.parameters())
-    torch.save((refused, torch.cat(logps), grads, full, shards_before, freed), os.path.join(out_dir, f"{rank}.pt"))
-    dist.destroy_process_group()
-    from conftest import exit_spawned_rank
-    exit_spawned_rank()
+    return refused, torch.cat(logps), grads, full, shards_before, freed
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_sharded_log_probs_and_gradients_are_the_plain_models(tied, tmp_path):
+@pytest.fixture(scope="module")
+def sharded_steps(tmp_path_factory):
+    """Each of CASES' sharded steps, on 2 spawned ranks: {case: [rank 0's results, rank 1's]}."""
+    import torch.multiprocessing as mp
+
+    out_dir = tmp_path_factory.mktemp("sharded-steps")
+    mp.spawn(_sharded_steps_on_rank, args=(str(out_dir / "init"), str(out_dir)), nprocs=2)
+    return {case: [torch.load(out_dir / f"{case[0]}-{case[1]}-{rank}.pt") for rank in (0, 1)] for case in CASES}
+
+
+@pytest.mark.parametrize("tied, bf16", CASES)
+def test_sharded_log_probs_and_gradients_are_the_plain_models(tied, bf16, sharded_steps):
     """Per rank: the chunked log-probs read the gathered output projection (never a shard), the shared
     prompt pass's several backwards reduce once, to the mean over the ranks of each rank's gradient;
-    the engine's copy holds the full weights, and frees them after."""
-    import torch.multiprocessing as mp
+    the engine's copy holds the full weights, and frees them after. fp64 to 1e-10; with bf16 compute
+    (FSDP's mixed precision) against the plain model in fp32, to bf16's precision, with fp32 gradients."""
     from rlcore.forward import completion_logprobs
 
-    mp.spawn(_sharded_step_on_rank, args=(str(tmp_path / "init"), str(tmp_path), tied), nprocs=2)
-    out = [torch.load(tmp_path / f"{rank}.pt") for rank in (0, 1)]
-    plain = tiny_model(tied)
+    out = sharded_steps[tied, bf16]
+    plain = tiny_model(tied, torch.float32 if bf16 else torch.float64)
+    tolerance = dict(rtol=3e-2, atol=3e-2) if bf16 else dict(rtol=1e-10, atol=1e-12)
     ids, attn = rows_sharing_prompts()
     logp, _ = completion_logprobs(plain, ids, attn, 4, ids[:, 4:])
     (logp.sum() / 2).backward()  # the mean over 2 ranks of each one's sum over its rows
     for rank in (0, 1):
         refused, got_logp, grads, full, _, freed = out[rank]
         assert refused and freed
-        torch.testing.assert_close(got_logp, logp[4 * rank:4 * rank + 4].detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got_logp, logp[4 * rank:4 * rank + 4].detach(), **tolerance)
         for name, p in plain.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=1e-12, msg=name)
+            assert grads[name].dtype == p.dtype, name
+            if bf16:  # each gradient tensor to 2% of its norm
+                assert (grads[name] - p.grad).norm() <= 2e-2 * p.grad.norm(), name
+            else:
+                torch.testing.assert_close(grads[name], p.grad, **tolerance, msg=name)
             assert torch.equal(full[name], p.detach()), name
     # each rank held half of each weight's rows
     for name, p in plain.named_parameters():
@@ -330,11 +359,10 @@ def test_fsdp_refuses_fp16_and_a_synced_reference():
         load_config(None, ["train.fsdp=true", "loss.sync_ref_model=true", "loss.beta=0.04"])
 
 
-def test_two_torchrun_agents_as_two_nodes_train_with_a_sharded_reference(setting):
+def test_two_torchrun_agents_as_two_nodes_train_as_two_ranks_of_one(setting, fsdp_dapo):
     """docs/distributed.md's multi-node launch, both "nodes" on this machine: two torchrun agents of one rank
-    each meet at a c10d rendezvous on 127.0.0.1. With loss.beta the KL reference is sharded too; the run trains
-    as one process with micro-batches twice as large (FSDP with gradient checkpointing: recomputed blocks gather
-    again)."""
+    each meet at a c10d rendezvous on 127.0.0.1, and train as one agent's two ranks do (here with gradient
+    checkpointing: FSDP gathers each recomputed block again in backward)."""
     import socket
 
     with socket.socket() as s:
@@ -344,7 +372,7 @@ def test_two_torchrun_agents_as_two_nodes_train_with_a_sharded_reference(setting
     cwd = setting["root"] / "cwd-two-nodes"
     cwd.mkdir()
     args = ["train", *sets(*options(setting, "dapo"), f"train.output_dir={run}", "train.per_device_train_batch_size=3",
-                           "train.fsdp=true", "loss.beta=0.04", "train.gradient_checkpointing=true")]
+                           "train.fsdp=true", "train.gradient_checkpointing=true")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
     agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
                                 "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=rlcore-test",
@@ -354,7 +382,5 @@ def test_two_torchrun_agents_as_two_nodes_train_with_a_sharded_reference(setting
     outputs = [agent.communicate(timeout=300) for agent in agents]
     assert [agent.returncode for agent in agents] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
     assert any("2 rank(s) x 6 completions = 3 prompts x G=4 per round" in out for out, _ in outputs)
-    one = train_run(setting, "one-beta", 1, 6, "dapo", "loss.beta=0.04")
-    assert_far_from_clip_bounds(setting, "two-nodes", one.name)
-    assert [r["kl_ref"] for r in rows(run)] == pytest.approx([r["kl_ref"] for r in rows(one)], rel=1e-4)
-    assert_trained_alike(one, run, setting["model"])
+    assert_far_from_clip_bounds(setting, "two-nodes", fsdp_dapo.name)
+    assert_trained_alike(fsdp_dapo, run, setting["model"])
