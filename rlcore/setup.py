@@ -269,6 +269,10 @@ def setup(cfg: Config, resume: str | os.PathLike | None = None) -> Run:
         raise ValueError(f"{checkpoint} was saved by a run on {len(saved_state['sampler_rng'])} rank(s), and this one "
                          f"has {world}; "
                          f"resume it on as many: {resume_command(run, len(saved_state['sampler_rng']))}")
+    if train_cfg.fsdp and world > 1 and checkpoint and not sharded:
+        raise ValueError(f"--resume {run}: {checkpoint} was saved by a replicated run (its optimizer state is whole) "
+                         f"and train.fsdp = true shards this one; resume it with --set train.fsdp=false, then start "
+                         f"sharded runs from a checkpoint's model/ directory")
     dtype = resolve_dtype(cfg.model.dtype, model_dir)  # 'auto': the checkpoint's
     if cfg.model.dtype == "auto" and dtype == "bfloat16" and main and not cfg.lora.enabled:
         warn_bf16_weights(cfg, f"model.dtype = 'auto' on {model_dir}, a bfloat16 checkpoint")

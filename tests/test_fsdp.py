@@ -135,8 +135,13 @@ def test_fsdp_on_two_ranks_trains_as_one_process_with_micro_batches_twice_as_lar
         assert rows(one)[-1]["kl_ref"] > 0
 
 
-def test_fsdp_trains_as_the_replicated_mode(setting, fsdp_dapo):
-    replicated = train_run(setting, "replicated-dapo", 2, 3, "dapo")
+@pytest.fixture(scope="module")
+def replicated_dapo(setting):
+    return train_run(setting, "replicated-dapo", 2, 3, "dapo")
+
+
+def test_fsdp_trains_as_the_replicated_mode(setting, fsdp_dapo, replicated_dapo):
+    replicated = replicated_dapo
     assert_far_from_clip_bounds(setting, replicated.name, fsdp_dapo.name)
     assert_trained_alike(replicated, fsdp_dapo, setting["model"])
 
@@ -384,3 +389,13 @@ def test_two_torchrun_agents_as_two_nodes_train_as_two_ranks_of_one(setting, fsd
     assert any("2 rank(s) x 6 completions = 3 prompts x G=4 per round" in out for out, _ in outputs)
     assert_far_from_clip_bounds(setting, "two-nodes", fsdp_dapo.name)
     assert_trained_alike(fsdp_dapo, run, setting["model"])
+
+
+def test_a_replicated_checkpoint_does_not_resume_sharded(setting, replicated_dapo):
+    config_toml = (replicated_dapo / "config.toml").read_text()
+    out = launch(setting, "replicated-as-sharded", 2, ["train", "--resume", str(replicated_dapo),
+                                                       *sets("train.fsdp=true", "train.max_steps=6")])
+    assert out.returncode != 0
+    assert "was saved by a replicated run (its optimizer state is whole) and train.fsdp = true shards this one; " \
+           "resume it with --set train.fsdp=false" in out.stderr
+    assert (replicated_dapo / "config.toml").read_text() == config_toml
