@@ -266,13 +266,14 @@ def sharded_step(rank: int, tied: bool, bf16: bool) -> tuple:
         sharding.sync_gradients(model, last=False)
         logp.sum().backward()
         logps.append(logp.detach())
+    reduced_early = any(p.grad is not None for p in model.parameters())  # a reduce-scatter sets the shards' grads
     sharding.sync_gradients(model, last=True)
     shared.backward()
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}  # the master shards' dtype
     with engine.gathered(model) as plain:
         full = {n: p.clone() for n, p in plain.named_parameters()}
     freed = all(p.is_meta for p in engine.model.parameters())
-    return refused, torch.cat(logps), grads, full, shards_before, freed
+    return refused, reduced_early, torch.cat(logps), grads, full, shards_before, freed
 
 
 @pytest.fixture(scope="module")
@@ -287,8 +288,9 @@ def sharded_steps(tmp_path_factory):
 
 @pytest.mark.parametrize("tied, bf16", CASES)
 def test_sharded_log_probs_and_gradients_are_the_plain_models(tied, bf16, sharded_steps):
-    """Per rank: the chunked log-probs read the gathered output projection (never a shard), the shared
-    prompt pass's several backwards reduce once, to the mean over the ranks of each rank's gradient;
+    """Per rank: the chunked log-probs read the gathered output projection (never a shard); the step's
+    three backwards (2 micro-batches, then the shared prompt pass) reduce once, in the last, to the mean
+    over the ranks of each rank's gradient;
     the engine's copy holds the full weights, and frees them after. fp64 to 1e-10; with bf16 compute
     (FSDP's mixed precision) against the plain model in fp32, to bf16's precision, with fp32 gradients."""
     from rlcore.forward import completion_logprobs
@@ -300,8 +302,8 @@ def test_sharded_log_probs_and_gradients_are_the_plain_models(tied, bf16, sharde
     logp, _ = completion_logprobs(plain, ids, attn, 4, ids[:, 4:])
     (logp.sum() / 2).backward()  # the mean over 2 ranks of each one's sum over its rows
     for rank in (0, 1):
-        refused, got_logp, grads, full, _, freed = out[rank]
-        assert refused and freed
+        refused, reduced_early, got_logp, grads, full, _, freed = out[rank]
+        assert refused and not reduced_early and freed
         torch.testing.assert_close(got_logp, logp[4 * rank:4 * rank + 4].detach(), **tolerance)
         for name, p in plain.named_parameters():
             assert grads[name].dtype == p.dtype, name
@@ -312,7 +314,7 @@ def test_sharded_log_probs_and_gradients_are_the_plain_models(tied, bf16, sharde
             assert torch.equal(full[name], p.detach()), name
     # each rank held half of each weight's rows
     for name, p in plain.named_parameters():
-        halves = [out[rank][4][name] for rank in (0, 1)]
+        halves = [out[rank][5][name] for rank in (0, 1)]
         assert torch.equal(torch.cat(halves), p.detach()), name
 
 
