@@ -31,24 +31,24 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from rlcore.model import PrefixKV, Transformer
 
+# torch.distributed's fsdp, tensor and checkpoint packages are imported by the functions that use
+# them: importing them takes over a second, which every process of a replicated run would pay.
+
 
 def is_sharded(model: nn.Module) -> bool:
-    """Whether `shard` wrapped `model`."""
-    return isinstance(model, FSDPModule)
+    """Whether `shard` wrapped `model` (without importing FSDP: a model it wrapped has imported it)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 class _Hidden:
@@ -71,7 +71,9 @@ def _show_prefix(module, args, kwargs):
     return tuple(map(show, args)), {k: show(v) for k, v in kwargs.items()}
 
 
-def _fully_shard(module: nn.Module, mesh, policy: MixedPrecisionPolicy, reshard_after_forward: bool) -> None:
+def _fully_shard(module: nn.Module, mesh, policy, reshard_after_forward: bool) -> None:
+    from torch.distributed.fsdp import fully_shard
+
     fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     # around FSDP's own pre-forward hook: hidden before it, shown again after it
     module.register_forward_pre_hook(_hide_prefix, prepend=True, with_kwargs=True)
@@ -83,6 +85,9 @@ def shard(model: Transformer, world: int, device: torch.device, bf16: bool) -> T
     `bf16`, blocks compute with bf16 copies of the fp32 shards and reduce gradients in fp32. The
     root keeps its parameters gathered after its forward (see the module docstring), and every
     backward accumulates without reducing until `sync_gradients` says it is a step's last."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     mesh = init_device_mesh(device.type, (world,))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                   reduce_dtype=torch.float32 if bf16 else None)
@@ -105,7 +110,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """torch's clip_grad_norm_ over `model`'s parameters; the norm of sharded gradients (their
     squares summed over the ranks) comes back as a plain tensor, the same on every rank."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return norm.full_tensor() if is_sharded(model) else norm
 
 
 def reshard(model: nn.Module) -> None:
@@ -139,6 +144,8 @@ class EngineCopy:
     def gathered(self, model: nn.Module):
         """The copy with `model`'s full weights, gathered once (one all-gather per parameter on
         every rank); they are freed when the block ends."""
+        from torch.distributed.tensor import DTensor
+
         reshard(model)  # after a forward without backward the root holds gathered (perhaps bf16) copies
         with torch.no_grad():
             full = {name: p.full_tensor() if isinstance(p, DTensor) else p.detach()
@@ -168,6 +175,8 @@ def _one_process_quietly():
 def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
     """The trainable weights and the optimizer state, keyed by parameter name (sharded tensors
     under FSDP, plain ones otherwise). LoRA's frozen base is not written: it is model.path's."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     weights, optimizer = get_state_dict(model, opt)
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     return {"model": {k: v for k, v in weights.items() if k in trainable}, "optimizer": optimizer}
@@ -176,6 +185,8 @@ def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
 def save_shards(directory: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
     """Write the trainable weights and the optimizer state into `directory` with DCP; every rank
     calls it and writes its own shards (collective when a process group runs)."""
+    import torch.distributed.checkpoint as dcp
+
     with _one_process_quietly():
         dcp.save(_state(model, opt), checkpoint_id=directory, no_dist=not dist.is_initialized())
 
@@ -183,6 +194,9 @@ def save_shards(directory: Path, model: nn.Module, opt: torch.optim.Optimizer) -
 def load_shards(directory: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
     """Load what `save_shards` wrote into `model` and `opt`, resharded to this run's ranks (a
     checkpoint of 2 ranks loads on 1, sharded or not)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
     state = _state(model, opt)
     with _one_process_quietly():
         dcp.load(state, checkpoint_id=directory, no_dist=not dist.is_initialized())
@@ -192,6 +206,8 @@ def load_shards(directory: Path, model: nn.Module, opt: torch.optim.Optimizer) -
 
 def load_weights(directory: Path, model: nn.Module) -> None:
     """Load the weights `save_shards` wrote into a plain `model` in one process (rlcore export)."""
+    import torch.distributed.checkpoint as dcp
+
     weights = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
     with _one_process_quietly():
         dcp.load({"model": weights}, checkpoint_id=directory, no_dist=True)
