@@ -292,7 +292,7 @@ def expand_tables(out: dict) -> None:
     model_init_kwargs (how from_pretrained loads the policy) become the rlcore options they set,
     and its fsdp (transformers' FSDP options, a string or a list) becomes train.fsdp."""
     fsdp = out.get("train", {}).get("fsdp")
-    if isinstance(fsdp, (str, list)):
+    if isinstance(fsdp, (str, list)) and str(fsdp).lower() not in ("true", "false"):  # those: a mistyped bool
         options = fsdp.split() if isinstance(fsdp, str) else fsdp
         if other := [o for o in options if o not in FSDP_OPTIONS]:
             raise ConfigError(f"TRL's fsdp = {fsdp!r}: rlcore has no {', '.join(map(repr, other))}; train.fsdp = "

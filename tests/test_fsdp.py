@@ -350,6 +350,8 @@ def test_trls_fsdp_options_set_train_fsdp():
     assert load_config(None, ["fsdp=full_shard auto_wrap"]).train.fsdp
     assert load_config(None, ["fsdp=['full_shard']"]).train.fsdp
     assert not load_config(None, ["fsdp="]).train.fsdp
+    with pytest.raises(ConfigError, match=r"train.fsdp = 'False' has type str, expected a bool"):
+        load_config(None, ["train.fsdp=False"])
     with pytest.raises(ConfigError, match=r"TRL's fsdp = 'full_shard offload': rlcore has no 'offload'"):
         load_config(None, ["fsdp=full_shard offload"])
     with pytest.warns(UserWarning, match=r"TRL's fsdp_config = \{'fsdp_version': 2\} is ignored"):
@@ -401,3 +403,26 @@ def test_a_replicated_checkpoint_does_not_resume_sharded(setting, replicated_dap
     assert "was saved by a replicated run (its optimizer state is whole) and train.fsdp = true shards this one; " \
            "resume it with --set train.fsdp=false" in out.stderr
     assert (replicated_dapo / "config.toml").read_text() == config_toml
+
+
+def test_fsdp_samples_and_evaluates_what_the_replicated_mode_does(setting):
+    """The real rollout engine and greedy held-out evaluation under FSDP run on the plain copy with the gathered
+    weights: the same completions (rewards and lengths) and held-out accuracy as replicated ranks, exactly, before
+    the first update (after it, the two modes' weights differ in the last bits, which may flip a sample)."""
+    real = [f"model.path={setting['model']}", "data.task=jsonl", f"data.path={setting['data']}",
+            "data.prompt_column=question", "data.num_eval=4", "rollout.num_generations=4",
+            "rollout.max_completion_length=6", "loss.reward_funcs=['conftest:token_reward']", "train.max_steps=1",
+            "train.learning_rate=0.01", "train.per_device_train_batch_size=4", "train.device=cpu",
+            "train.bf16=false"]
+    runs = {}
+    for mode in ("replicated", "fsdp"):
+        runs[mode] = setting["root"] / f"real-{mode}"
+        cwd = setting["root"] / f"cwd-real-{mode}"
+        cwd.mkdir()
+        out = torchrun(cwd, "train", *sets(*real, f"train.output_dir={runs[mode]}", f"train.fsdp={str(mode == 'fsdp').lower()}"))
+        assert out.returncode == 0, out.stderr[-3000:]
+    keys = ("reward/mean", "completion/len_mean", "completion/len_min", "completion/len_max")
+    replicated, sharded = rows(runs["replicated"])[0], rows(runs["fsdp"])[0]
+    assert [sharded[k] for k in keys] == [replicated[k] for k in keys]
+    before = [(run / "eval.jsonl").read_text().splitlines()[0] for run in runs.values()]
+    assert before[0] == before[1] and '"step": 0' in before[0]
