@@ -419,7 +419,8 @@ def test_fsdp_samples_and_evaluates_what_the_replicated_mode_does(setting):
         runs[mode] = setting["root"] / f"real-{mode}"
         cwd = setting["root"] / f"cwd-real-{mode}"
         cwd.mkdir()
-        out = torchrun(cwd, "train", *sets(*real, f"train.output_dir={runs[mode]}", f"train.fsdp={str(mode == 'fsdp').lower()}"))
+        fsdp = "true" if mode == "fsdp" else "false"
+        out = torchrun(cwd, "train", *sets(*real, f"train.output_dir={runs[mode]}", f"train.fsdp={fsdp}"))
         assert out.returncode == 0, out.stderr[-3000:]
     keys = ("reward/mean", "completion/len_mean", "completion/len_min", "completion/len_max")
     replicated, sharded = rows(runs["replicated"])[0], rows(runs["fsdp"])[0]
