@@ -182,7 +182,7 @@ def run_command(argv: list[str] | None = None) -> int:
             return 1
         return 0
 
-    from rlcore.rundir import kept_checkpoint, recorded_ranks, resume_command
+    from rlcore.rundir import kept_checkpoint, recorded_ranks, recorded_sections, resume_command
 
     world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
     run_config = None  # the run's own config.toml, read back by --resume
@@ -193,7 +193,8 @@ def run_command(argv: list[str] | None = None) -> int:
             return 1
         args.config = run_config = str(Path(args.resume) / "config.toml")
         ranks = recorded_ranks(Path(run_config))
-        if ranks is not None and ranks != world:  # before the batch checks, which would blame the batch size
+        sharded = (recorded_sections(Path(run_config)) or {}).get("train", {}).get("fsdp", False)  # any rank count
+        if ranks is not None and ranks != world and not sharded:  # before the batch checks, which would blame b
             report(f"rlcore: error: --resume {args.resume}: the run was trained on {ranks} rank(s) and this command "
                    f"starts {world}; resume it on as many: {resume_command(Path(args.resume), ranks)}")
             return 1

@@ -4,7 +4,9 @@ buckets of about 25 MiB before each optimizer step (what DDP does, without overl
 all-reduce with backward).
 
 Launch with `torchrun --nproc_per_node=P -m rlcore.cli train ...`; without torchrun every
-function here is a no-op for a single rank. gloo on CPU, NCCL on GPU.
+function here is a no-op for a single rank. gloo on CPU, NCCL on GPU. With train.fsdp the model
+is sharded instead (rlcore.sharding): FSDP's own collectives reduce its gradients, and the two
+functions here that would all-reduce whole weights or gradients leave such a model alone.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import sys
 
 import torch
 import torch.distributed as dist
+
+from rlcore.sharding import is_sharded
 
 
 def init(device: torch.device) -> tuple[int, int, torch.device]:
@@ -115,9 +119,10 @@ def average_gradients(model: torch.nn.Module, world: int, bucket_bytes: int = BU
     Gradients are copied into flat buckets of about `bucket_bytes` (one dtype per bucket), each
     all-reduced once and copied back: every collective has a fixed latency, so a 0.5B model
     takes ~80 all-reduces instead of one per parameter (~290). Every rank holds the same
-    parameters with gradients, so all ranks form the same buckets in the same order.
+    parameters with gradients, so all ranks form the same buckets in the same order. A sharded
+    model's gradients were reduce-scattered in its step's last backward: nothing is left to do.
     """
-    if world == 1:
+    if world == 1 or is_sharded(model):
         return
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     bucket: list[torch.Tensor] = []
@@ -137,8 +142,9 @@ def average_gradients(model: torch.nn.Module, world: int, bucket_bytes: int = BU
 
 
 def check_replicas_agree(model: torch.nn.Module, world: int) -> None:
-    """Raise if the ranks' weights have drifted apart (a checksum per rank, compared)."""
-    if world == 1:
+    """Raise if the ranks' weights have drifted apart (a checksum per rank, compared); a sharded
+    model's ranks hold different shards by design."""
+    if world == 1 or is_sharded(model):
         return
     total = sum(p.detach().double().sum() for p in model.parameters()).reshape(1)
     sums = gather_rows(total, world)

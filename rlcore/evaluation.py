@@ -118,6 +118,7 @@ def held_out(run: Run, state: RunState) -> dict:
 
     rewards = EvalRewards(cfg.loss.reward_funcs, cfg.loss.reward_weights or [1.0] * len(run.reward_funcs), score)
     run.model.eval()  # greedy completions of the policy without LoRA dropout
-    return evaluate(run.model, run.tok, run.eval_set, run.accuracy_fn, cfg.train.eval_max_completion_length,
-                    rank=run.rank, world=run.world, device=run.device, rewards=rewards,
-                    stop_sequences=run.stop_sequences)
+    with run.generating() as policy:  # under FSDP a plain copy, its full weights gathered once
+        return evaluate(policy, run.tok, run.eval_set, run.accuracy_fn, cfg.train.eval_max_completion_length,
+                        rank=run.rank, world=run.world, device=run.device, rewards=rewards,
+                        stop_sequences=run.stop_sequences)

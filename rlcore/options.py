@@ -206,6 +206,8 @@ class TrainArgs:
     """float16 autocast over fp32 weights with dynamic loss scaling, and an fp16 rollout (GPUs without bf16: T4, V100)"""
     gradient_checkpointing: bool = False
     """recompute each layer's activations in backward instead of keeping them (TRL's default is True)"""
+    fsdp: bool = False
+    """shard weights, gradients and AdamW state over torchrun's ranks (FSDP2), with sharded checkpoints"""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """where to run; auto = cuda when available"""
     output_dir: str = "runs/rlcore"

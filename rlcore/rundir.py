@@ -5,12 +5,16 @@ what `--resume` reads back.
     metrics.jsonl        one row per optimizer step; eval.jsonl, completions.jsonl
     latest               the name of the newest checkpoint
     checkpoint-<step>/   model/ (a Hugging Face checkpoint with the tokenizer files), the trainer
-                         state (rlcore.state), and ref_model/ once loss.sync_ref_model changed it
+                         state (rlcore.state), and ref_model/ once loss.sync_ref_model changed it;
+                         under train.fsdp sharded/ (torch.distributed.checkpoint: every rank's
+                         shards of the trainable weights and the optimizer state) and the trainer
+                         state, and the last checkpoint of the run model/ too
 
 Every checkpoint is written under a temporary name and renamed, and `latest` is replaced
 atomically, so a crash at any point leaves the previous checkpoint intact and findable. A resume
 continues from `latest`: the same model, the same rank count, the optimizer, schedule and RunState
-as saved, and the run's files cut back to the checkpoint's step.
+as saved, and the run's files cut back to the checkpoint's step. A sharded checkpoint resumes on
+any rank count (docs/distributed.md says what stays exact).
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from typing import TYPE_CHECKING
 
 from safetensors import SafetensorError
 
-from rlcore import RlcoreWarning
-from rlcore.checkpoint import CheckpointError, fsync_dir, load_model, save_model
+from rlcore import RlcoreWarning, distributed, sharding
+from rlcore.checkpoint import CheckpointError, fsync_dir, load_model, resolve_dtype, save_model
 from rlcore.config import EMBEDDED_MODEL_PATHS, RUN_CONFIG_HEADER, Config
 from rlcore.lora import load_adapter, lora_parameters, merge_lora, read_adapter_config, save_adapter
 from rlcore.model import Transformer
@@ -107,24 +111,41 @@ def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep
         raise FileExistsError(f"{final} exists and is not an rlcore checkpoint (no run_state.json); "
                               f"move it out of the run directory {run}")
     shutil.rmtree(tmp, ignore_errors=True)
-    extra = {n: source / n for n in TOKENIZER_FILES if (source / n).is_file()}
     try:
-        if lora_parameters(model):  # the base never changes: the adapters, in PEFT's format
-            save_adapter(model, tmp / "adapter", base_model_name_or_path=os.path.abspath(source))
-            for name, file in extra.items():
-                shutil.copyfile(file, tmp / "adapter" / name)
-        else:
-            save_model(model, tmp / "model", extra_files=extra)
+        write_model(tmp, model, source)
         if ref is not None:
             save_model(ref, tmp / "ref_model")
         write_state(tmp, state)
         fsync_dir(tmp)
     except (OSError, SafetensorError, RuntimeError) as e:  # no space, file too large, I/O error (torch: RuntimeError)
-        shutil.rmtree(tmp, ignore_errors=True)  # give the space back
-        kept = kept_checkpoint(run)
-        raise OSError(f"could not write checkpoint {final} ({type(e).__name__}: {e}); " +
-                      (f"{run / kept} is intact: make room, then continue with --resume {run}" if kept else
-                       "no earlier checkpoint exists: make room and start again")) from e
+        raise not_written(run, tmp, final, e) from e
+    return publish(run, tmp, final, keep)
+
+
+def write_model(directory: Path, model, source: Path) -> None:
+    """The weights a checkpoint keeps, with `source`'s tokenizer files: model/ (HF), or with LoRA
+    adapter/ (the base never changes: the adapters, in PEFT's format)."""
+    extra = {n: source / n for n in TOKENIZER_FILES if (source / n).is_file()}
+    if lora_parameters(model):
+        save_adapter(model, directory / "adapter", base_model_name_or_path=os.path.abspath(source))
+        for name, file in extra.items():
+            shutil.copyfile(file, directory / "adapter" / name)
+    else:
+        save_model(model, directory / "model", extra_files=extra)
+
+
+def not_written(run: Path, tmp: Path, final: Path, e: Exception) -> OSError:
+    """The error of a checkpoint that could not be written, its partial files removed."""
+    shutil.rmtree(tmp, ignore_errors=True)  # give the space back
+    kept = kept_checkpoint(run)
+    return OSError(f"could not write checkpoint {final} ({type(e).__name__}: {e}); " +
+                   (f"{run / kept} is intact: make room, then continue with --resume {run}" if kept else
+                    "no earlier checkpoint exists: make room and start again"))
+
+
+def publish(run: Path, tmp: Path, final: Path, keep: int | None) -> Path:
+    """Rename the complete checkpoint `tmp` to `final`, point `latest` at it, and delete all but
+    the newest `keep` checkpoints (None: none are)."""
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
     with open(run / "latest.tmp", "w") as f:
@@ -136,6 +157,34 @@ def save_checkpoint(run: Path, step: int, model, source: Path, state: dict, keep
     for p in old[:max(0, len(old) - keep + 1)] if keep is not None else []:
         shutil.rmtree(p, ignore_errors=True)
     return final
+
+
+def save_sharded_checkpoint(run: Run, step: int, state: dict, full_model=None) -> None:
+    """run.dir/checkpoint-<step>/ of a train.fsdp run: sharded/ (sharding.save_shards: each rank
+    writes its shards of the trainable weights and of the optimizer state), the trainer state,
+    and with `full_model` (the policy with its full weights, for the run's last checkpoint) what
+    `save_checkpoint` writes of it. Every rank calls it. As `save_checkpoint`, it is written under a
+    temporary name that rank 0 renames once every rank's shards and its own files are complete,
+    so a crash (of any rank) leaves the previous checkpoint intact and findable."""
+    final, tmp = run.dir / f"checkpoint-{step}", run.dir / f".checkpoint-{step}.tmp"
+    error = None
+    if run.main:
+        if final.exists() and not has_state(final):
+            error = FileExistsError(f"{final} exists and is not an rlcore checkpoint (no run_state.json); "
+                                    f"move it out of the run directory {run.dir}")
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed attempt's
+    distributed.raise_together(error, run.world)  # also: no rank writes before the old files are gone
+    sharding.save_shards(tmp / sharding.SHARDS, run.model, run.opt)  # DCP: the ranks' failures raise on all
+    if run.main:
+        try:
+            if full_model is not None:
+                write_model(tmp, full_model, run.model_dir)
+            write_state(tmp, state)
+            fsync_dir(tmp)
+            publish(run.dir, tmp, final, run.cfg.train.save_total_limit)
+        except (OSError, SafetensorError, RuntimeError) as e:
+            error = not_written(run.dir, tmp, final, e)
+    distributed.raise_together(error, run.world)  # the ranks go on once the checkpoint is complete
 
 
 def checkpoint_step(checkpoint: Path) -> int:
@@ -278,10 +327,13 @@ def resume_from_checkpoint(run: Run, state: RunState) -> None:
     """Restore the optimizer, schedule and `state` as the checkpoint left them, and drop the run's
     metrics, evaluation and completion rows written after it (a crash may have left some)."""
     saved, opt, sched = run.saved_state, run.opt, run.sched
-    if len(saved["optimizer"]["param_groups"]) != len(opt.param_groups):  # one group before weight decay
+    if saved["optimizer"] is None:  # a sharded checkpoint: the weights too, resharded to this run's ranks
+        sharding.load_shards(run.checkpoint / sharding.SHARDS, run.model, opt)
+    elif len(saved["optimizer"]["param_groups"]) != len(opt.param_groups):  # one group before weight decay
         raise ValueError(f"{run.checkpoint} was saved by an earlier rlcore (its optimizer state has one parameter "
                          "group, decayed or not); resume it with the rlcore version that wrote it")
-    opt.load_state_dict(saved["optimizer"])
+    else:
+        opt.load_state_dict(saved["optimizer"])
     sched.load_state_dict(saved["scheduler"])
     # The saved rate came from the saved run's schedule; a resume with a larger max_steps
     # follows this run's from here on (the same rate when max_steps is unchanged).
@@ -309,6 +361,8 @@ def export(source: Path, out: Path) -> Path:
     checkpoint = source if has_state(source) else latest_checkpoint(source)
     if (checkpoint / "model").is_dir():
         model, files = load_model(checkpoint / "model", "auto"), checkpoint / "model"
+    elif (checkpoint / sharding.SHARDS).is_dir():
+        model, files = sharded_model(checkpoint)
     else:
         adapter = checkpoint / "adapter"
         base = Path(read_adapter_config(adapter).get("base_model_name_or_path") or "")
@@ -317,3 +371,21 @@ def export(source: Path, out: Path) -> Path:
         merge_lora(model)
     extra = {name: files / name for name in TOKENIZER_FILES if (files / name).is_file()}
     return save_model(model, out, extra_files=extra)
+
+
+def sharded_model(checkpoint: Path) -> tuple[Transformer, Path]:
+    """A train.fsdp checkpoint's policy in this one process, and the directory of its tokenizer
+    files: the run's model.path (its config.toml's), with LoRA's adapters merged in when the run
+    trained some, and the trained weights loaded from the checkpoint's shards (DCP gathers them)."""
+    from rlcore.config import load_config
+    from rlcore.setup import add_adapters, embedded_model_dir
+
+    config_toml = checkpoint.parent / "config.toml"
+    cfg = load_config(str(config_toml), world_size=recorded_ranks(config_toml) or 1)  # its batch geometry's
+    base = Path(cfg.model.path) if cfg.model.path not in EMBEDDED_MODEL_PATHS else embedded_model_dir(cfg)
+    model = load_model(base, resolve_dtype(cfg.model.dtype, base))  # the dtype the run trained in
+    if cfg.lora.enabled:
+        add_adapters(model, cfg.lora, None)
+    sharding.load_weights(checkpoint / sharding.SHARDS, model)
+    merge_lora(model)
+    return model, base

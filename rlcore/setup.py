@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from rlcore import RlcoreWarning, distributed
+from rlcore import RlcoreWarning, distributed, sharding
 from rlcore.checkpoint import CheckpointError, check_model_dir, load_model, resolve_dtype
 from rlcore.config import EMBEDDED_MODEL_PATHS, RUN_CONFIG_HEADER, Config, dump_config, with_absolute_paths
 from rlcore.data import encode_prompts, load_examples
@@ -192,6 +192,7 @@ class Run:
     schedule: Callable[[int], float]  # the learning-rate factor of each step
     checkpoint: Path | None  # on --resume, the checkpoint it continues from
     saved_state: dict | None  # and that checkpoint's trainer state
+    engine: sharding.EngineCopy | None = None  # under FSDP, the rollout engine's plain copy of the policy
 
     @property
     def main(self) -> bool:
@@ -205,11 +206,24 @@ class Run:
         return torch.bfloat16 if train_cfg.bf16 else torch.float16 if train_cfg.fp16 else None
 
     @contextlib.contextmanager
+    def generating(self):
+        """The policy as the rollout engine and the held-out evaluation run it: the model itself,
+        or under FSDP a plain copy with the full weights, gathered once for the block."""
+        if self.engine is None:
+            yield self.model
+        else:
+            with self.engine.gathered(self.model) as model:
+                yield model
+
+    @contextlib.contextmanager
     def reference(self):
         """The KL reference model (loss.beta): a model of its own, or with LoRA the policy's model
         computing with its starting adapters (none: the base), so no second copy is held."""
         if self.ref is not None:
-            yield self.ref
+            try:
+                yield self.ref
+            finally:
+                sharding.reshard(self.ref)  # no backward follows its passes to free its gathered root
         else:
             with reference_adapters(self.model):
                 yield self.model
@@ -250,18 +264,25 @@ def setup(cfg: Config, resume: str | os.PathLike | None = None) -> Run:
     checkpoint = latest_checkpoint(Path(resume)) if resume else None
     # read before anything is written: a wrong rank count changes nothing
     saved_state = load_trainer_state(checkpoint) if checkpoint else None
-    if saved_state is not None and len(saved_state["sampler_rng"]) != world:
+    sharded = checkpoint is not None and (checkpoint / sharding.SHARDS).is_dir()  # DCP reshards it to any rank count
+    if saved_state is not None and len(saved_state["sampler_rng"]) != world and not sharded:
         raise ValueError(f"{checkpoint} was saved by a run on {len(saved_state['sampler_rng'])} rank(s), and this one "
                          f"has {world}; "
                          f"resume it on as many: {resume_command(run, len(saved_state['sampler_rng']))}")
+    if train_cfg.fsdp and world > 1 and checkpoint and not sharded:
+        raise ValueError(f"--resume {run}: {checkpoint} was saved by a replicated run (its optimizer state is whole) "
+                         f"and train.fsdp = true shards this one; resume it with --set train.fsdp=false, then start "
+                         f"sharded runs from a checkpoint's model/ directory")
     dtype = resolve_dtype(cfg.model.dtype, model_dir)  # 'auto': the checkpoint's
     if cfg.model.dtype == "auto" and dtype == "bfloat16" and main and not cfg.lora.enabled:
         warn_bf16_weights(cfg, f"model.dtype = 'auto' on {model_dir}, a bfloat16 checkpoint")
     if cfg.lora.enabled:  # the base as it started; the adapters hold what training changed
         model = load_model(model_dir, dtype, device)
-        add_adapters(model, cfg.lora, checkpoint)
-    else:
-        model = load_resumed_model(checkpoint, dtype, device) if checkpoint else load_model(model_dir, dtype, device)
+        add_adapters(model, cfg.lora, None if sharded else checkpoint)
+    elif checkpoint and not sharded:
+        model = load_resumed_model(checkpoint, dtype, device)
+    else:  # a sharded checkpoint's weights load once the model is sharded (rundir.resume_from_checkpoint)
+        model = load_model(model_dir, dtype, device)
     model.gradient_checkpointing = train_cfg.gradient_checkpointing
     check_vocab_fits(tok, model.config.vocab_size, model_dir)
     # with LoRA the reference is the policy's own model with its starting adapters (Run.reference)
@@ -314,10 +335,16 @@ def setup(cfg: Config, resume: str | os.PathLike | None = None) -> Run:
                                              dump_config(with_absolute_paths(cfg)))
         os.replace(run / "config.toml.tmp", run / "config.toml")  # a crash leaves the previous one
 
+    engine = None
+    if train_cfg.fsdp and world > 1:  # one rank has nothing to shard: it trains as the replicated mode does
+        engine = sharding.EngineCopy(model)  # the rollout's plain copy, before the weights are sharded
+        sharding.shard(model, world, device, train_cfg.bf16)
+        if ref is not None:
+            sharding.shard(ref, world, device, train_cfg.bf16)
     opt = adamw(model, train_cfg)
     schedule = lr_lambda(cfg, max_steps)
     return Run(cfg=cfg, rank=rank, world=world, device=device, dir=run, model_dir=model_dir, tok=tok, model=model,
                ref=ref, train_set=train_set, eval_set=eval_set, reward_funcs=reward_funcs, columns=columns,
                accuracy_fn=accuracy_fn, answer_column=answer_column, stop_sequences=stop_sequences,
                geometry=geometry, opt=opt, sched=torch.optim.lr_scheduler.LambdaLR(opt, schedule), schedule=schedule,
-               checkpoint=checkpoint, saved_state=saved_state)
+               checkpoint=checkpoint, saved_state=saved_state, engine=engine)

@@ -143,7 +143,10 @@ class RunState:
                 "overflow_skips": self.overflow_skips}
 
     def load_state_dict(self, saved: dict, rank: int) -> None:
-        self.sampler.set_state(saved["sampler_rng"][rank])
+        """Restore the saved state on rank `rank`. A sharded checkpoint resumes on any rank count:
+        a rank the saved run did not have keeps its own sampler seed (rollout.seed + rank)."""
+        if rank < len(saved["sampler_rng"]):
+            self.sampler.set_state(saved["sampler_rng"][rank])
         self.shuffler.set_state(saved["shuffler_rng"])
         torch.set_rng_state(saved["torch_rng"])
         self.step, self.data_pos, self.before = saved["step"], saved["data_pos"], saved["before"]

@@ -27,6 +27,7 @@ them decides a step.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch.amp import GradScaler
 
-from rlcore import RlcoreWarning, distributed, rollout
+from rlcore import RlcoreWarning, distributed, rollout, sharding
 from rlcore.config import Config
 from rlcore.evaluation import completion_token_ids, decode_completions, held_out
 from rlcore.forward import SharedPrompts, completion_logprobs, pack
@@ -50,7 +51,7 @@ from rlcore.losses.metrics import rollout_mismatch
 from rlcore.losses.policy import PolicyLossOptions, policy_loss
 from rlcore.model import Transformer, mix_into
 from rlcore.rewards import RewardFunctionError, RewardState, reward_extras, reward_inputs, score_completions
-from rlcore.rundir import resume_from_checkpoint, save_checkpoint
+from rlcore.rundir import resume_from_checkpoint, save_checkpoint, save_sharded_checkpoint
 from rlcore.runlog import (Progress, add_reward_metrics, log_completions, log_line, memory_metrics, record_eval,
                            reduce_metrics, write_row)
 from rlcore.setup import Run, setup
@@ -97,7 +98,7 @@ def optimizer_step(run: Run, state: RunState, bad_losses: int) -> tuple[torch.Te
     model, opt, world, device = run.model, run.opt, run.world, run.device
     distributed.average_gradients(model, world)
     state.scaler.unscale_(opt)  # fp16: the gradients back to their size before clipping (else nothing)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), run.cfg.train.max_grad_norm or math.inf)
+    grad_norm = sharding.clip_grad_norm_(model, run.cfg.train.max_grad_norm or math.inf)
     losses_finite = not distributed.sum_over_ranks([bad_losses], world, device)[0]
     finite = math.isfinite(grad_norm.item()) and losses_finite
     if finite:
@@ -121,10 +122,15 @@ def optimizer_step(run: Run, state: RunState, bad_losses: int) -> tuple[torch.Te
 
 def save(run: Run, state: RunState, at: dict) -> None:
     """Checkpoint the run as it is at `state.step`, to continue from `at` (a resume_point: the
-    round's start when its scoring failed). Every rank calls it; rank 0 writes."""
+    round's start when its scoring failed). Every rank calls it; rank 0 writes, and under
+    train.fsdp every rank writes its shards."""
     distributed.check_replicas_agree(run.model, run.world)
     samplers = distributed.gather_objects(at["sampler"], run.world)
-    if run.main:
+    if run.cfg.train.fsdp:  # the optimizer state is in the shards; the last checkpoint gets the full model too
+        trainer_state = {"optimizer": None, "scheduler": run.sched.state_dict(), **state.state_dict(at, samplers)}
+        with run.generating() if state.step >= run.geometry.max_steps else contextlib.nullcontext() as full_model:
+            save_sharded_checkpoint(run, state.step, trainer_state, full_model)
+    elif run.main:
         loss = run.cfg.loss
         trainer_state = {"optimizer": run.opt.state_dict(), "scheduler": run.sched.state_dict(),
                          **state.state_dict(at, samplers)}
@@ -140,15 +146,17 @@ def sample_round(run: Run, state: RunState, rows: list[dict]) -> rollout.Rollout
     run.model.eval()  # no LoRA dropout while sampling, nor in the old and ref passes that follow
     progress = Progress(f"step {state.step + 1} rollout", enabled=run.main)  # a real model on CPU: minutes
     rows_label = f"{len(rows)} completions" + (" on rank 0" if run.world > 1 else "")
-    return rollout.generate(run.model, [ex["prompt_ids"] for ex in rows], num_generations=1,
-                            max_new_tokens=rollout_cfg.max_completion_length,
-                            eos_token_ids=run.tok.eos_token_ids, pad_token_id=run.tok.pad_token_id,
-                            temperature=rollout_cfg.temperature, top_k=rollout_cfg.top_k, top_p=rollout_cfg.top_p,
-                            min_p=rollout_cfg.min_p, repetition_penalty=rollout_cfg.repetition_penalty,
-                            stop_sequences=run.stop_sequences, generator=state.sampler,
-                            dtype=run.amp,
-                            progress=lambda tokens, finished: progress.report(
-                                f"{tokens}/{rollout_cfg.max_completion_length} tokens, {finished}/{rows_label} done"))
+    with run.generating() as policy:  # under FSDP a plain copy, its full weights gathered once
+        return rollout.generate(policy, [ex["prompt_ids"] for ex in rows], num_generations=1,
+                                max_new_tokens=rollout_cfg.max_completion_length,
+                                eos_token_ids=run.tok.eos_token_ids, pad_token_id=run.tok.pad_token_id,
+                                temperature=rollout_cfg.temperature, top_k=rollout_cfg.top_k, top_p=rollout_cfg.top_p,
+                                min_p=rollout_cfg.min_p, repetition_penalty=rollout_cfg.repetition_penalty,
+                                stop_sequences=run.stop_sequences, generator=state.sampler,
+                                dtype=run.amp,
+                                progress=lambda tokens, finished: progress.report(
+                                    f"{tokens}/{rollout_cfg.max_completion_length} tokens, "
+                                    f"{finished}/{rows_label} done"))
 
 
 @dataclass
@@ -368,6 +376,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                                           step_tokens=step_tokens, world_size=world)
                     if bonus.enabled:  # loss.entropy_coef: over the tokens the policy loss trains on
                         loss = loss - bonus.term(entropy, mask[mb] if entropy_keep is None else entropy_keep, GA)
+                    # FSDP reduces the step's gradients in its last backward (a no-op when replicated)
+                    sharding.sync_gradients(model, last=j == len(step_micro) and shared is None)
                     state.scaler.scale(loss).backward()  # fp16: scaled so that small gradients stay normal
                     if mismatch is None:  # on-policy: from this micro-batch's own log-probs
                         diagnostics.update(rollout_mismatch(logp.detach(), samp[mb], mask[mb]))  # its `tokens` = diag's
@@ -377,6 +387,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
                         update_progress.report(f"micro-batch {j}/{len(step_micro)}")
 
                 if shared is not None:
+                    sharding.sync_gradients(model, last=True)
                     shared.backward()  # the prompts' pass, with the gradients its micro-batches left
                 bad_losses = sum(not math.isfinite(x["loss"]) for x in step_metrics)
                 loss_scale = state.scaler.get_scale() if train_cfg.fp16 else None  # the scale this step used

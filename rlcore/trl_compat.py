@@ -73,7 +73,6 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     "use_cpu": ((False,), "set train.device = 'cpu'"),
     "tf32": (ANY, "rlcore leaves fp32 matmuls at full precision; for speed on GPU set train.bf16 = true"),
     "deepspeed": ((None,), "rlcore's data parallelism is torchrun --nproc_per_node=N (rlcore.distributed)"),
-    "fsdp": (("", None), "rlcore's data parallelism is torchrun --nproc_per_node=N (rlcore.distributed)"),
     "ddp_find_unused_parameters": (ANY, "rlcore averages every gradient itself (rlcore.distributed)"),
     "ddp_timeout": (ANY, "rlcore uses torch.distributed's default timeout"),
     "optim": (("adamw_torch", "adamw_torch_fused", "adamw_hf"),
@@ -121,7 +120,8 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     "pad_to_multiple_of": (ANY, "rlcore pads each batch to its longest row"),
     "accelerator_config": ((None,), "rlcore's data parallelism is torchrun --nproc_per_node=N (rlcore.distributed)"),
     "parallelism_config": ((None,), "rlcore's data parallelism is torchrun --nproc_per_node=N (rlcore.distributed)"),
-    "fsdp_config": ((None,), "rlcore's data parallelism is torchrun --nproc_per_node=N (rlcore.distributed)"),
+    "fsdp_config": (ANY, "with train.fsdp rlcore shards every transformer block and the root with FSDP2 itself "
+                         "(rlcore.sharding)"),
     "ddp_backend": ((None,), "rlcore uses gloo on CPU and NCCL on GPU"),
     "ddp_bucket_cap_mb": (ANY, "rlcore averages every gradient itself (rlcore.distributed)"),
     "ddp_broadcast_buffers": (ANY, "rlcore averages every gradient itself (rlcore.distributed)"),
@@ -283,9 +283,23 @@ def expand_loss_type(layer: dict) -> None:
     loss["policy_loss"], loss["loss_type"] = policy, aggregation
 
 
+FSDP_OPTIONS = ("full_shard", "auto_wrap")
+"""The entries of transformers' `fsdp` option that rlcore's train.fsdp does: FSDP2 over every block and the root."""
+
+
 def expand_tables(out: dict) -> None:
     """TRL's generation_kwargs (sampling settings, which win over the named options, as in TRL) and
-    model_init_kwargs (how from_pretrained loads the policy) become the rlcore options they set."""
+    model_init_kwargs (how from_pretrained loads the policy) become the rlcore options they set,
+    and its fsdp (transformers' FSDP options, a string or a list) becomes train.fsdp."""
+    fsdp = out.get("train", {}).get("fsdp")
+    if isinstance(fsdp, (str, list)) and str(fsdp).lower() not in ("true", "false"):  # those: a mistyped bool
+        options = fsdp.split() if isinstance(fsdp, str) else fsdp
+        if other := [o for o in options if o not in FSDP_OPTIONS]:
+            raise ConfigError(f"TRL's fsdp = {fsdp!r}: rlcore has no {', '.join(map(repr, other))}; train.fsdp = "
+                              f"true shards weights, gradients and optimizer state over every rank (full_shard) "
+                              f"with each transformer block wrapped (auto_wrap): set fsdp = 'full_shard auto_wrap' "
+                              f"or train.fsdp = true")
+        out["train"]["fsdp"] = bool(options)
     for section in list(out):
         kwargs = out[section].pop("generation_kwargs", None)
         if isinstance(kwargs, dict):

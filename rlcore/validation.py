@@ -287,6 +287,11 @@ def validate(config: Config, world_size: int = 1) -> None:
     need(not train.fp16 or config.model.dtype == "float32" or config.lora.enabled,
          f"train.fp16 autocasts over fp32 master weights with loss scaling, but model.dtype = "
          f"{config.model.dtype!r}; set model.dtype = 'float32'")
+    need(not (train.fsdp and train.fp16), "train.fsdp shards fp32 master weights and computes in bf16 with "
+         "train.bf16; fp16 loss scaling is not supported with it: set train.fp16 = false (train.bf16 = true on a "
+         "GPU with bf16)")
+    need(not (train.fsdp and config.loss.sync_ref_model), "loss.sync_ref_model mixes the policy into a reference "
+         "that checkpoints keep whole; it is not supported with train.fsdp: set one of them to false")
     problems += lora_problems(config)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))

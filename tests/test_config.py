@@ -60,7 +60,8 @@ DIFFERENT_FROM_TRL = {"train.max_steps", "train.lr_scheduler_type", "train.bf16"
                       "data.seed",      # the held-out split's seed; TRL's seed is train.seed (its 42)
                       "rollout.seed"}   # None = train.seed, as TRL samples with its seed
 # the same default written two ways (no filter, no extra arguments)
-SAME_AS_NONE = {"rollout.min_p": 0.0, "data.chat_template_kwargs": {}, "train.lr_scheduler_kwargs": {}}
+SAME_AS_NONE = {"rollout.min_p": 0.0, "data.chat_template_kwargs": {}, "train.lr_scheduler_kwargs": {},
+                "train.fsdp": False}
 
 
 def test_every_default_of_an_option_trl_also_has_is_trls_unless_the_readme_lists_it():
