@@ -12,7 +12,7 @@ from conftest import make_hf_model
 import rlcore.rollout.engine as engine
 from rlcore.model import KVCache, ModelConfig, Transformer, padded_causal_mask, rope_inv_freq
 from rlcore.rollout import Rollout, generate
-from rlcore.rollout.engine import decode_one_token, matmul_weights_in, prefill
+from rlcore.rollout.engine import forward_one_token, matmul_weights_in, prefill
 from rlcore.rollout.packed import PackedDecoder
 
 PAD = 0
@@ -47,10 +47,17 @@ def training_logprobs(model, out: Rollout, temperature: float) -> torch.Tensor:
     return result
 
 
-@pytest.fixture(params=["packed", "module"])
+def module_step(model, tokens, positions, cache, mask, slot) -> torch.Tensor:
+    """The model's own forward for one token per row `[B]` written at cache slot `slot` (an int)
+    of a cache covering slots 0..slot, under `mask` `[B, 1, 1, slot + 1]`: fp32 logits `[B, V]`."""
+    slots = torch.full((len(tokens), 1), slot, dtype=torch.long)
+    return model.logits(model(tokens[:, None], positions[:, None], mask, cache, slots)[:, -1]).float()
+
+
+@pytest.fixture(params=["packed", "static"])
 def decoder(request, monkeypatch):
-    """Run `generate` with each decoding step: PackedDecoder (CPU default) and the model's
-    forward (`decode_one_token`, the GPU path)."""
+    """Run `generate` with each decoding step: PackedDecoder (CPU default) and the static step
+    (`decode_one_token`, the GPU path)."""
     monkeypatch.setattr(engine, "use_packed_decoder", lambda device: request.param == "packed")
     return request.param
 
@@ -166,7 +173,7 @@ def test_sampling_with_repetition_penalty_reports_both_logprobs_against_transfor
     assert (out.sampling_logprobs[m] - out.full_logprobs[m]).abs().max() > 0.05
 
 
-@pytest.mark.parametrize("decoder", ["module", "packed"])
+@pytest.mark.parametrize("decoder", ["module", "packed", "static"])
 def test_cached_decoding_equals_full_recomputation(decoder):
     model = rlcore_model(make_hf_model("llama"))
     packed = PackedDecoder(model, 2)
@@ -186,9 +193,11 @@ def test_cached_decoding_equals_full_recomputation(decoder):
             tokens = torch.tensor([steps[0][t], steps[1][t]])
             if decoder == "packed":
                 cached.append(packed(tokens, positions + t, view, valid[..., :S], T + t))
+            elif decoder == "static":  # the whole buffer, each row from its first real slot
+                h = forward_one_token(model, tokens, positions + t, cache, torch.tensor(T + t), torch.tensor([0, 4]))
+                cached.append(model.logits(h))
             else:
-                cached.append(decode_one_token(model, tokens, positions + t, view, valid[..., :S],
-                                               T + t, torch.empty(2, 128)).clone())
+                cached.append(module_step(model, tokens, positions + t, view, valid[..., :S], T + t))
         for i in range(2):
             full = model.logits(model(torch.tensor([prompts[i] + steps[i]])))[0]
             recomputed = full[len(prompts[i]) - 1:]
@@ -222,8 +231,7 @@ def test_packed_decoder_matches_module_decoding_step(family, overrides):
         for rows in (torch.arange(B), torch.tensor([0, 2, 3, 4])):
             ref_cache = KVCache(cache.k[:, rows].clone(), cache.v[:, rows].clone())
             with torch.no_grad():
-                ref = decode_one_token(m, tokens[rows], positions[rows], ref_cache, valid[rows],
-                                       S - 1, torch.empty(len(rows), 128)).clone()
+                ref = module_step(m, tokens[rows], positions[rows], ref_cache, valid[rows], S - 1)
             got_cache = KVCache(cache.k[:, rows].clone(), cache.v[:, rows].clone())
             got = packed(tokens[rows], positions[rows], got_cache, valid[rows], S - 1)
             torch.testing.assert_close(got, ref, rtol=0, atol=atol * ref.abs().max().item())
