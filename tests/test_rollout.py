@@ -424,6 +424,21 @@ def test_same_seed_same_completions_other_seed_different():
     assert not torch.equal(a.completion_ids, c.completion_ids)
 
 
+def test_a_sampled_rollout_draws_one_key_from_its_generator_and_a_greedy_one_nothing():
+    """What a saved generator state needs to resume the rollouts exactly, and why a greedy
+    evaluation between rollouts (generator=None) leaves torch's global RNG as it found it."""
+    model = rlcore_model(make_hf_model("qwen2"))
+    g = torch.Generator().manual_seed(0)
+    before, global_before = g.get_state(), torch.get_rng_state()
+    generate(model, random_prompts([4, 6]), 2, 8, eos_token_ids=[1], pad_token_id=PAD, temperature=0.0, generator=g)
+    generate(model, random_prompts([4, 6]), 2, 8, eos_token_ids=[1], pad_token_id=PAD, temperature=0.0)
+    assert torch.equal(g.get_state(), before) and torch.equal(torch.get_rng_state(), global_before)
+    generate(model, random_prompts([4, 6]), 2, 8, eos_token_ids=[1], pad_token_id=PAD, generator=g)
+    one_key = torch.Generator().set_state(before)
+    torch.randint(2**31 - 1, (2,), generator=one_key)  # what sampling_key draws
+    assert not torch.equal(g.get_state(), before) and torch.equal(g.get_state(), one_key.get_state())
+
+
 def test_rows_of_one_prompt_sample_independently():
     model = rlcore_model(make_hf_model("qwen2"))
     out = generate(model, random_prompts([4]), 8, 16, eos_token_ids=[], pad_token_id=PAD,

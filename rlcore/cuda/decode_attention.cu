@@ -9,7 +9,7 @@
 // fp32 arithmetic. Slots outside a row's range are never read, so a static cache costs what its
 // filled part costs.
 //
-// Pass 1, split_kernel: grid (splits, B * Hkv * head_groups). A block takes one row, one kv head,
+// Pass 1, split_kernel: grid (B * Hkv * head_groups, splits). A block takes one row, one kv head,
 // up to kGroup query heads of its group and one split of the slots. Each warp walks every
 // kWarps-th key of the split; the 32 lanes read a key's D elements side by side (coalesced) and
 // sum the dot product with shuffles. Per query head the warp keeps an online softmax
@@ -57,10 +57,10 @@ __global__ void split_kernel(const T* __restrict__ q, const T* __restrict__ k, c
                              const int64_t* __restrict__ start, const int64_t* __restrict__ end,
                              float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_acc,
                              Shape sh) {
-    const int split = blockIdx.x;
-    const int head_group = blockIdx.y % sh.head_groups;
-    const int kv = (blockIdx.y / sh.head_groups) % sh.Hkv;
-    const int b = blockIdx.y / (sh.head_groups * sh.Hkv);
+    const int split = blockIdx.y;  // gridDim.y (at most 65535) is the small one
+    const int head_group = blockIdx.x % sh.head_groups;
+    const int kv = (blockIdx.x / sh.head_groups) % sh.Hkv;
+    const int b = blockIdx.x / (sh.head_groups * sh.Hkv);
     const int group = sh.Hq / sh.Hkv;
     const int h0 = kv * group + head_group * kGroup;              // first query head of this block
     const int heads = min(kGroup, group - head_group * kGroup);   // query heads of this block
@@ -167,7 +167,7 @@ void launch(const void* q, const void* k, const void* v, void* out, const int64_
     float* part_m = workspace;
     float* part_l = part_m + (int64_t)sh.B * sh.Hq * sh.splits;
     float* part_acc = part_l + (int64_t)sh.B * sh.Hq * sh.splits;
-    const dim3 grid(sh.splits, sh.B * sh.Hkv * sh.head_groups);
+    const dim3 grid(sh.B * sh.Hkv * sh.head_groups, sh.splits);
     split_kernel<T, EPL><<<grid, kWarps * 32, 0, stream>>>(
         static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), start, end,
         part_m, part_l, part_acc, sh);

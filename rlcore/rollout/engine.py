@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -297,7 +297,9 @@ def generate(
     """Sample `num_generations` completions of at most `max_new_tokens` for each prompt.
 
     A row stops after any id in `eos_token_ids` or any of `stop_sequences` (both are kept in
-    the completion and its mask). `generator` seeds sampling (same seed, same completions).
+    the completion and its mask). `generator` seeds sampling (same seed, same completions): a
+    sampled rollout draws one key from it (from the device's default generator when None), a
+    greedy one nothing.
     `repetition_penalty` (1.0 = off) applies to each row's prompt tokens and the tokens it has
     generated so far, as in transformers (left padding excluded).
     `dtype` (default: the model's) is the compute dtype: bf16 for an fp32 model runs the
@@ -348,18 +350,19 @@ def generate(
                 seen[i, torch.tensor(p, device=device)] = True
             seen = seen[which]
         longest_stop = max([1] + [len(s) for s in stop_sequences])
-        batch = Batch(cache, rows=torch.arange(N, device=device), tokens=torch.zeros(N, dtype=torch.long, device=device),
-                      positions=prompt_len.clone(), start=T - prompt_len, step=torch.zeros((), dtype=torch.long,
-                                                                                         device=device),
+        long = dict(dtype=torch.long, device=device)
+        batch = Batch(cache, rows=torch.arange(N, **long), tokens=torch.zeros(N, **long), positions=prompt_len.clone(),
+                      start=T - prompt_len, step=torch.zeros((), **long),
                       done=torch.zeros(N, dtype=torch.bool, device=device),
-                      recent=torch.full((N, longest_stop), -1, dtype=torch.long, device=device), seen=seen)
+                      recent=torch.full((N, longest_stop), -1, **long), seen=seen)
         outputs = torch.full((N + 1, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
         full = reports_full_logprobs(temperature, top_k, top_p, min_p, repetition_penalty)
         run = Decoding(
-            prompt_width=T, head=model.lm_head_weight.to(dtype), key=sampling_key(generator, device),
+            prompt_width=T, head=model.lm_head_weight.to(dtype),
+            key=sampling_key(generator, device) if temperature > 0 else torch.zeros(2, **long),  # greedy draws nothing
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-            eos=torch.tensor(list(eos_token_ids), dtype=torch.long, device=device),
-            stops=[torch.tensor(s, dtype=torch.long, device=device) for s in stop_sequences], pad=pad_token_id,
+            eos=torch.tensor(list(eos_token_ids), **long), stops=[torch.tensor(s, **long) for s in stop_sequences],
+            pad=pad_token_id,
             completion=outputs, written=torch.zeros_like(outputs, dtype=torch.bool),
             sampling_logprobs=torch.zeros_like(outputs, dtype=torch.float32),
             full_logprobs=torch.zeros_like(outputs, dtype=torch.float32) if full else None,
@@ -367,9 +370,8 @@ def generate(
         sample_and_record(first_logits[which], batch, run)
 
         packed = PackedDecoder(model, N, dtype) if use_packed else None
+        padding = use_packed and bool((batch.start > 0).any())  # else a packed step needs no mask at all
         autocast = torch.autocast(device.type, dtype=dtype, enabled=narrowing, cache_enabled=False)
-
-        padding = bool((batch.start > 0).any())  # else a packed step's single query needs no mask at all
 
         def stepper(batch: Batch) -> Callable[[int], None]:
             """`stepper(batch)(t)` feeds token t - 1 of every row of `batch` and samples token t."""

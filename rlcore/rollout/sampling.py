@@ -17,6 +17,10 @@ Two log-probs come back per token (SPEC section 4, item 3):
   is None).
 Greedy decoding (temperature 0) has no temperature to scale by; it reports the log-prob of
 the argmax under the unscaled (temperature 1) distribution.
+
+Randomness: one uniform per row and step, a hash of (the rollout's key, the row's global index,
+the step) computed on the device (`uniforms`), so a row's draws do not depend on which other rows
+share its batch, and a decoding step needs no generator state of its own.
 """
 
 from __future__ import annotations
