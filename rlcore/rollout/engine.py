@@ -58,7 +58,7 @@ class Rollout:
 
 def use_packed_decoder(device: torch.device) -> bool:
     """Decode with `PackedDecoder` (weights laid out once per rollout) on CPU, where a step's
-    small matmuls pay for re-blocking the weights on every call; the model's forward elsewhere."""
+    small matmuls pay for re-blocking the weights on every call; the static step elsewhere."""
     return device.type == "cpu"
 
 
