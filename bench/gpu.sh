@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one go, from the checkout's root on a machine with one:
 #     bash bench/gpu.sh                       # logs under $OUT (default: gpu-results/)
-# 1. build rlcore/cuda's kernels (the first CUDA use would; timed here), and test them against
-#    their PyTorch twins and the fp64 definition (tests/test_cuda_kernels.py);
+# 1. build rlcore/cuda's kernels (the first CUDA use would; timed here): the log-prob kernels and
+#    the decode-attention kernel; test them against their PyTorch twins and the fp64 definition
+#    (tests/test_cuda_kernels.py);
 # 2. bench/logprobs_cuda.py: the kernels against their twins, alone and inside token_logprobs;
-# 3. bench/rollout.py on the GPU, rlcore against transformers' generate in the same process:
-#    Qwen2.5-0.5B's shape, 64 x 512 new tokens, in bf16 autocast, fp32 and bf16 weights, then the
-#    benchmark's model in fp32;
+# 3. bench/rollout.py on the GPU, rlcore against transformers' generate in the same process, with
+#    the HBM roofline of the decoding steps: Qwen2.5-0.5B's shape, 64 x 512 new tokens, in bf16
+#    autocast, fp32 and bf16 weights, then bf16 autocast again with the static step run eagerly
+#    (RLCORE_CUDA_GRAPHS=0: what the CUDA graphs save), then the benchmark's model in fp32;
 # 4. tests/test_gpu.py: the CUDA path against transformers on the same GPU, the fp64 definition
-#    and the CPU tests' own criteria (learning, resume), and the shipped GSM8K config on the GPU.
+#    and the CPU tests' own criteria (learning, resume), graphed against eager decoding, the
+#    attention kernel against its twin inside the engine, and the shipped GSM8K config on the GPU.
 # Each step has a time limit in seconds (GPU_SH_LIMITS="build tests bench rollout gpu_tests"), and
 # none runs past GPU_SH_DEADLINE seconds from the start, so a time-limited GPU session still brings
 # back the logs of what ran.
@@ -30,7 +33,10 @@ py=${PYTHON:-python3}
 } 2>&1 | tee "$out/machine.txt"
 
 timeout "$(limit "$t_build")" $py -c "from rlcore import cuda; cuda.build('token_logprobs', verbose=True)" > "$out/build.log" 2>&1
-echo "build exit status $? after $SECONDS s" | tee -a "$out/build.log"
+echo "token_logprobs build exit status $? after $SECONDS s" | tee -a "$out/build.log"
+started=$SECONDS
+timeout "$(limit "$t_build")" $py -c "from rlcore import cuda; cuda.build('decode_attention', verbose=True)" >> "$out/build.log" 2>&1
+echo "decode_attention build exit status $? after $((SECONDS - started)) s" | tee -a "$out/build.log"
 
 timeout "$(limit "$t_tests")" $py -m pytest -q -p no:cacheprovider -rs -k "not compile" tests/test_cuda_kernels.py > "$out/test_cuda_kernels.log" 2>&1
 echo "tests/test_cuda_kernels.py exit status $?" | tee -a "$out/test_cuda_kernels.log"
@@ -38,10 +44,12 @@ tail -3 "$out/test_cuda_kernels.log"
 
 timeout "$(limit "$t_bench")" $py bench/logprobs_cuda.py 2>&1 | tee "$out/logprobs_cuda.log"
 
-for args in "--shape qwen2.5-0.5b --new-tokens 512 --dtype bf16" "--shape qwen2.5-0.5b --new-tokens 512" \
-            "--shape qwen2.5-0.5b --new-tokens 512 --dtype bf16-weights" ""; do
-    echo "== bench/rollout.py --device cuda $args" | tee -a "$out/rollout.log"
-    timeout "$(limit "$t_rollout")" $py bench/rollout.py --device cuda $args 2>&1 | grep -v Warning | tee -a "$out/rollout.log"
+qwen="--shape qwen2.5-0.5b --prompts 8 --G 8 --new-tokens 512"
+for run in "1 $qwen --dtype bf16" "1 $qwen" "1 $qwen --dtype bf16-weights" "0 $qwen --dtype bf16" "1 "; do
+    read -r graphs args <<< "$run"
+    echo "== RLCORE_CUDA_GRAPHS=$graphs bench/rollout.py --device cuda $args" | tee -a "$out/rollout.log"
+    RLCORE_CUDA_GRAPHS=$graphs timeout "$(limit "$t_rollout")" $py bench/rollout.py --device cuda $args 2>&1 \
+        | grep -v Warning | tee -a "$out/rollout.log"
 done
 
 timeout "$(limit "$t_gpu")" $py -m pytest -q -p no:cacheprovider -rs -s tests/test_gpu.py > "$out/test_gpu.log" 2>&1

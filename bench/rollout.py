@@ -15,6 +15,12 @@ TF32 off, timed with CUDA synchronised before each clock read.
 (what `train.bf16` does: rlcore's `generate(dtype=bfloat16)`, `generate` inside
 `torch.autocast`); bf16-weights, both models cast to bfloat16 (a bf16 checkpoint).
 
+The roofline line: a decoding step must at least read every weight it multiplies by (the layers'
+matrices and the output projection, in the compute dtype) and the filled part of the KV cache,
+so the decoding steps of the run take at least (those bytes, summed over the steps) / the
+memory bandwidth, measured here as the best of a few 1 GiB device copies (read + write); rlcore's
+fraction is that bound over its measured rollout time (which includes the prefill).
+
 The last line is `rollout_speedup_vs_hf=<ratio>`.
 """
 
@@ -55,6 +61,29 @@ def matmul_peak_gflops(device: torch.device, dtype: torch.dtype, n: int = 2048, 
         torch.mm(a, b, out=c)
         best = min(best, clock(device) - t0)
     return 2 * n**3 / best / 1e9
+
+
+def copy_bandwidth(device: torch.device, gib: float = 1.0, repeats: int = 5) -> float:
+    """This machine's memory bandwidth in bytes/s: the best of a few copies of `gib` GiB (read + write)."""
+    src = torch.empty(int(gib * 2**30), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = clock(device)
+        dst.copy_(src)
+        best = min(best, clock(device) - t0)
+    return 2 * src.numel() / best
+
+
+def decode_bytes(cfg: ModelConfig, rows: int, prompt_len: int, new: int, itemsize: int) -> float:
+    """Bytes the decoding steps of the run read at the least: every step reads the matmul weights
+    (layers and output projection) once and the cache filled so far (keys and values of every row)."""
+    h, d, L = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    weights = L * (h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size) + cfg.vocab_size * h
+    cache_per_slot = 2 * L * rows * kv
+    return sum(weights + cache_per_slot * (prompt_len + t + 1) for t in range(new - 1)) * itemsize
 
 
 def rollout_flops(cfg: ModelConfig, prompts: int, G: int, prompt_len: int, new: int) -> float:
@@ -125,6 +154,9 @@ def main() -> None:
     assert hf_out.shape == (N, args.prompt_len + new)
 
     peak = max(peak, matmul_peak_gflops(device, compute))  # before and after: the machine may be shared
+    bandwidth = copy_bandwidth(device)
+    read = decode_bytes(cfg, N, args.prompt_len, new, compute.itemsize)
+    roofline = read / bandwidth  # seconds
     flops = rollout_flops(cfg, args.prompts, args.G, args.prompt_len, new)
     where = (torch.cuda.get_device_name(device) if device.type == "cuda" else
              f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
@@ -135,6 +167,9 @@ def main() -> None:
     for name, secs in (("rlcore", t_rl), ("transformers", t_hf)):
         print(f"{name}: {N * new / secs:.0f} new tokens/s ({secs:.2f} s), "
               f"{flops / secs / 1e9:.0f} GFLOP/s = {flops / secs / 1e9 / peak:.0%} of matmul peak")
+    print(f"roofline: the decoding steps read at least {read / 1e9:.1f} GB "
+          f"(weights + filled cache) at {bandwidth / 1e9:.0f} GB/s (copy): {roofline * 1e3:.0f} ms = "
+          f"{N * new / roofline:.0f} new tokens/s; rlcore at {roofline / t_rl:.0%} of it, transformers at {roofline / t_hf:.0%}")
     print(f"rollout_speedup_vs_hf={t_hf / t_rl:.2f}")
 
 

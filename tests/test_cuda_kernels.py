@@ -6,7 +6,9 @@
 - On a GPU (skipped without one): each kernel equals its twin on the same inputs (fp64 to 1e-12,
   fp32 to 1e-5 relative to the logits' scale), over vocabularies that do and do not fill a block,
   logits of standard deviation up to 60, temperatures and every option; `token_logprobs` through the kernels equals the
-  fp64 definition, gradients included. `bash bench/gpu.sh` runs these with tests/test_gpu.py.
+  fp64 definition, gradients included. The decode-attention kernel equals its twin and the fp64
+  definition over batch sizes, cache lengths, per-row ranges, head dims and grouped-query layouts,
+  in fp32 and bf16. `bash bench/gpu.sh` runs these with tests/test_gpu.py.
 """
 
 import os
@@ -22,6 +24,7 @@ import torch
 
 from rlcore import RlcoreWarning, cuda
 from rlcore.losses.logprobs import chunk_grad_, chunk_stats, token_logprobs
+from rlcore.rollout.attention import decode_attention_twin
 from test_logprobs import naive_fp64
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,15 +61,18 @@ def nvcc_release() -> str | None:
 @pytest.mark.skipif((nvcc_release() or "").split(".")[0] != (torch.version.cuda or "").split(".")[0],
                     reason="nvcc's CUDA major version is not torch's: torch refuses to build with it")
 @pytest.mark.skipif(shutil.which("ninja") is None, reason="torch.utils.cpp_extension needs ninja")
-def test_the_kernels_compile(tmp_path):
+@pytest.mark.parametrize("name,summary,built", [
+    ("token_logprobs", "sorted(n for n in dir(m) if not n.startswith('_'))", "['logit_grad_', 'softmax_stats']"),
+    ("decode_attention", "(type(m).__name__, m.group)", "('DecodeAttention', 8)"),  # loaded through ctypes
+])
+def test_the_kernels_compile(tmp_path, name, summary, built):
     """The build a CUDA run does on first use, here for Hopper (sm_90), in a fresh cache."""
     env = dict(os.environ, CUDA_HOME=CUDA_HOME, TORCH_EXTENSIONS_DIR=str(tmp_path),
                TORCH_CUDA_ARCH_LIST=os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0"))
-    code = ("from rlcore import cuda; m = cuda.build('token_logprobs'); "
-            "print(sorted(n for n in dir(m) if not n.startswith('_')))")
+    code = f"from rlcore import cuda; m = cuda.build({name!r}); print({summary})"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-4000:]
-    assert out.stdout.strip().splitlines()[-1] == "['logit_grad_', 'softmax_stats']"
+    assert out.stdout.strip().splitlines()[-1] == built
 
 
 @pytest.mark.usefixtures("fresh_loader")
@@ -314,3 +320,73 @@ def test_the_kernels_and_the_twins_give_the_same_training_gradients(monkeypatch)
     assert cuda._loaded["token_logprobs"] is not None  # the first pass did use the kernels
     for name, a, b in zip(("logp", "entropy", "d hidden", "d weight"), *results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+# ----------------------------------------------------------------------------- decode attention on a GPU
+
+def attention_kernel():
+    ext = cuda.kernels("decode_attention", torch.device("cuda"))
+    assert ext is not None, "the decode-attention kernel did not build (see the warning)"
+    return ext
+
+
+def fp64_decode_attention(q, k, v, start, end):
+    """softmax(q k^T / sqrt(D)) v over slots start[b]..end[b]-1 of each row, query head h on kv head
+    h // (Hq / Hkv), in fp64, one (row, head) at a time: the definition."""
+    B, Hq, _, D = q.shape
+    group = Hq // k.shape[1]
+    out = torch.zeros(B, Hq, 1, D, dtype=torch.float64)
+    for b in range(B):
+        keys = slice(int(start[b]), int(end[b]))
+        for h in range(Hq):
+            scores = k[b, h // group, keys].double() @ q[b, h, 0].double() / D ** 0.5
+            out[b, h, 0] = scores.softmax(0) @ v[b, h // group, keys].double()
+    return out
+
+
+def cache_layer(B, Hkv, S, D, dtype, g):
+    """Layer 1 of a 3-layer cache [L, B, Hkv, S, D], as the engine hands a layer to attention."""
+    k = torch.randn(3, B, Hkv, S, D, generator=g).to(dtype)
+    v = torch.randn(3, B, Hkv, S, D, generator=g).to(dtype)
+    return k.cuda()[1], v.cuda()[1]
+
+
+@on_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,Hq,Hkv,S,D", [
+    (1, 1, 1, 1, 16), (3, 4, 4, 37, 32), (5, 14, 2, 300, 64), (2, 32, 2, 1000, 128),  # GQA groups of 1..16
+    (4, 8, 1, 70, 256), (3, 6, 3, 129, 80), (64, 14, 2, 576, 64),  # D of 256 and 80; Qwen2.5-0.5B's decode
+])
+def test_decode_attention_equals_its_twin_and_the_fp64_definition(dtype, B, Hq, Hkv, S, D):
+    """Rows of every kind of range: the whole buffer, one slot, left padding, a range ending early."""
+    g = torch.Generator().manual_seed(B * S + D)
+    q = torch.randn(B, Hq, 1, D, generator=g).to(dtype).cuda()
+    k, v = cache_layer(B, Hkv, S, D, dtype, g)
+    start = torch.randint(0, S, (B,), generator=g)
+    end = torch.minimum(start + torch.randint(1, S + 1, (B,), generator=g), torch.tensor(S))
+    start[0], end[0] = 0, S
+    if B > 1:
+        start[1], end[1] = S - 1, S
+    got = attention_kernel()(q, k, v, start.cuda(), end.cuda())
+    assert got.shape == (B, Hq, 1, D) and got.dtype == dtype
+    twin = decode_attention_twin(q, k, v, start.cuda(), end.cuda())
+    tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)  # bf16: a ulp of output
+    torch.testing.assert_close(got.float(), twin.float(), **tol)
+    want = fp64_decode_attention(q.cpu(), k.cpu(), v.cpu(), start, end)
+    torch.testing.assert_close(got.cpu().double(), want, **tol)
+
+
+@on_gpu
+def test_decode_attention_checks_its_arguments():
+    ext = attention_kernel()
+    q = torch.randn(2, 4, 1, 16, device="cuda")
+    k = v = torch.randn(2, 2, 8, 16, device="cuda")
+    ends = torch.tensor([8, 8], device="cuda")
+    with pytest.raises(TypeError, match="fp32 or bf16"):
+        ext(q.half(), k.half(), v.half(), ends * 0, ends)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        ext(torch.randn(2, 3, 1, 16, device="cuda"), k, v, ends * 0, ends)
+    with pytest.raises(ValueError, match="start and end must be long"):
+        ext(q, k, v, ends.int() * 0, ends.int())
+    with pytest.raises(ValueError, match="contiguous D"):
+        ext(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, ends * 0, ends)

@@ -18,7 +18,9 @@ import pytest
 import torch
 
 import rlcore.rollout.engine as engine
+import rlcore.rollout.graphs as graphs
 from conftest import make_hf_model
+from rlcore import cuda
 from rlcore.checkpoint import load_model
 from rlcore.config import load_config
 from rlcore.losses.logprobs import token_logprobs
@@ -95,6 +97,48 @@ def test_a_bf16_rollout_on_the_gpu_equals_autocast_at_every_call(monkeypatch):
     assert [s[0] for s in seen] == [torch.bfloat16, torch.float32]  # the first rollout did cast, the second did not
     assert_same_rollout(cast_once, autocast_each_call)
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def seeded_rollout(model, dtype=torch.float32, **sampling):
+    """A rollout on the GPU whose rows end at many lengths (the batch shrinks through buckets)."""
+    prompts = random_prompts([6, 3, 11, 6], seed=1)
+    return generate(model, prompts, 4, 40, eos_token_ids=list(range(1, 9)), pad_token_id=PAD, dtype=dtype,
+                    generator=torch.Generator(CUDA).manual_seed(0), **sampling)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.95, repetition_penalty=1.1)],
+                         ids=["greedy", "seeded"])
+def test_graphed_and_eager_steps_give_the_same_completions(sampling, dtype, monkeypatch):
+    """The static step replayed from CUDA graphs (one per batch size) against the same step run
+    eagerly (RLCORE_CUDA_GRAPHS=0): the same completions, and log-probs to fp32 rounding."""
+    model = rlcore_model(make_hf_model("qwen2")).to(CUDA)
+    calls, call = [], graphs.CapturedStep.__call__  # True for a replay, False for the eager first call
+    monkeypatch.setattr(graphs.CapturedStep, "__call__", lambda self: calls.append(self.graph is not None) or call(self))
+    graphed = seeded_rollout(model, dtype, **sampling)
+    assert calls.count(True) > 20 and calls.count(False) >= 2  # captured at more than one batch size, replayed
+    assert len(set(graphed.lengths.tolist())) > 2
+    monkeypatch.setenv("RLCORE_CUDA_GRAPHS", "0")
+    calls.clear()
+    eager = seeded_rollout(model, dtype, **sampling)
+    assert calls == []
+    for field in ("completion_ids", "completion_mask", "truncated"):
+        assert torch.equal(getattr(graphed, field), getattr(eager, field)), field
+    diff = (graphed.sampling_logprobs - eager.sampling_logprobs).abs().max().item()
+    print(f"\ngraphed vs eager, {dtype}: max |log-prob difference| = {diff:.3e}")
+    assert diff <= 1e-6
+
+
+def test_the_attention_kernel_and_its_twin_give_the_same_rollout(monkeypatch):
+    """rlcore/cuda/decode_attention.cu inside the engine against its twin (RLCORE_CUDA_KERNELS=0)."""
+    model = rlcore_model(make_hf_model("qwen3_tied")).to(CUDA)
+    monkeypatch.setattr(cuda, "_loaded", {})
+    kernel = seeded_rollout(model, temperature=0.8)
+    assert cuda._loaded["decode_attention"] is not None  # the kernel ran
+    monkeypatch.setenv("RLCORE_CUDA_KERNELS", "0")
+    twin = seeded_rollout(model, temperature=0.8)
+    assert torch.equal(kernel.completion_ids, twin.completion_ids)
+    torch.testing.assert_close(kernel.sampling_logprobs, twin.sampling_logprobs, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("recompute", [True, False])

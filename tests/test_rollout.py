@@ -12,7 +12,7 @@ from conftest import make_hf_model
 import rlcore.rollout.engine as engine
 from rlcore.model import KVCache, ModelConfig, Transformer, padded_causal_mask, rope_inv_freq
 from rlcore.rollout import Rollout, generate
-from rlcore.rollout.engine import decode_one_token, matmul_weights_in, prefill
+from rlcore.rollout.engine import forward_one_token, matmul_weights_in, prefill
 from rlcore.rollout.packed import PackedDecoder
 
 PAD = 0
@@ -47,10 +47,17 @@ def training_logprobs(model, out: Rollout, temperature: float) -> torch.Tensor:
     return result
 
 
-@pytest.fixture(params=["packed", "module"])
+def module_step(model, tokens, positions, cache, mask, slot) -> torch.Tensor:
+    """The model's own forward for one token per row `[B]` written at cache slot `slot` (an int)
+    of a cache covering slots 0..slot, under `mask` `[B, 1, 1, slot + 1]`: fp32 logits `[B, V]`."""
+    slots = torch.full((len(tokens), 1), slot, dtype=torch.long)
+    return model.logits(model(tokens[:, None], positions[:, None], mask, cache, slots)[:, -1]).float()
+
+
+@pytest.fixture(params=["packed", "static"])
 def decoder(request, monkeypatch):
-    """Run `generate` with each decoding step: PackedDecoder (CPU default) and the model's
-    forward (`decode_one_token`, the GPU path)."""
+    """Run `generate` with each decoding step: PackedDecoder (CPU default) and the static step
+    (`decode_one_token`, the GPU path)."""
     monkeypatch.setattr(engine, "use_packed_decoder", lambda device: request.param == "packed")
     return request.param
 
@@ -166,7 +173,7 @@ def test_sampling_with_repetition_penalty_reports_both_logprobs_against_transfor
     assert (out.sampling_logprobs[m] - out.full_logprobs[m]).abs().max() > 0.05
 
 
-@pytest.mark.parametrize("decoder", ["module", "packed"])
+@pytest.mark.parametrize("decoder", ["module", "packed", "static"])
 def test_cached_decoding_equals_full_recomputation(decoder):
     model = rlcore_model(make_hf_model("llama"))
     packed = PackedDecoder(model, 2)
@@ -186,9 +193,11 @@ def test_cached_decoding_equals_full_recomputation(decoder):
             tokens = torch.tensor([steps[0][t], steps[1][t]])
             if decoder == "packed":
                 cached.append(packed(tokens, positions + t, view, valid[..., :S], T + t))
+            elif decoder == "static":  # the whole buffer, each row from its first real slot
+                h = forward_one_token(model, tokens, positions + t, cache, torch.tensor(T + t), torch.tensor([0, 4]))
+                cached.append(model.logits(h))
             else:
-                cached.append(decode_one_token(model, tokens, positions + t, view, valid[..., :S],
-                                               T + t, torch.empty(2, 128)).clone())
+                cached.append(module_step(model, tokens, positions + t, view, valid[..., :S], T + t))
         for i in range(2):
             full = model.logits(model(torch.tensor([prompts[i] + steps[i]])))[0]
             recomputed = full[len(prompts[i]) - 1:]
@@ -222,8 +231,7 @@ def test_packed_decoder_matches_module_decoding_step(family, overrides):
         for rows in (torch.arange(B), torch.tensor([0, 2, 3, 4])):
             ref_cache = KVCache(cache.k[:, rows].clone(), cache.v[:, rows].clone())
             with torch.no_grad():
-                ref = decode_one_token(m, tokens[rows], positions[rows], ref_cache, valid[rows],
-                                       S - 1, torch.empty(len(rows), 128)).clone()
+                ref = module_step(m, tokens[rows], positions[rows], ref_cache, valid[rows], S - 1)
             got_cache = KVCache(cache.k[:, rows].clone(), cache.v[:, rows].clone())
             got = packed(tokens[rows], positions[rows], got_cache, valid[rows], S - 1)
             torch.testing.assert_close(got, ref, rtol=0, atol=atol * ref.abs().max().item())
@@ -416,6 +424,21 @@ def test_same_seed_same_completions_other_seed_different():
     assert not torch.equal(a.completion_ids, c.completion_ids)
 
 
+def test_a_sampled_rollout_draws_one_key_from_its_generator_and_a_greedy_one_nothing():
+    """What a saved generator state needs to resume the rollouts exactly, and why a greedy
+    evaluation between rollouts (generator=None) leaves torch's global RNG as it found it."""
+    model = rlcore_model(make_hf_model("qwen2"))
+    g = torch.Generator().manual_seed(0)
+    before, global_before = g.get_state(), torch.get_rng_state()
+    generate(model, random_prompts([4, 6]), 2, 8, eos_token_ids=[1], pad_token_id=PAD, temperature=0.0, generator=g)
+    generate(model, random_prompts([4, 6]), 2, 8, eos_token_ids=[1], pad_token_id=PAD, temperature=0.0)
+    assert torch.equal(g.get_state(), before) and torch.equal(torch.get_rng_state(), global_before)
+    generate(model, random_prompts([4, 6]), 2, 8, eos_token_ids=[1], pad_token_id=PAD, generator=g)
+    one_key = torch.Generator().set_state(before)
+    torch.randint(2**31 - 1, (2,), generator=one_key)  # what sampling_key draws
+    assert not torch.equal(g.get_state(), before) and torch.equal(g.get_state(), one_key.get_state())
+
+
 def test_rows_of_one_prompt_sample_independently():
     model = rlcore_model(make_hf_model("qwen2"))
     out = generate(model, random_prompts([4]), 8, 16, eos_token_ids=[], pad_token_id=PAD,
@@ -515,3 +538,115 @@ def test_matmul_weights_in_swaps_lora_layers_for_their_merged_weights_and_back()
             assert swapped.weight.dtype == torch.bfloat16
             torch.testing.assert_close(swapped.weight, weight.to(torch.bfloat16), rtol=0, atol=0)
     assert lora_layers(model) == before
+
+
+# ----------------------------------------------------------------------------- the static step
+
+SAMPLINGS = [dict(temperature=0.8), dict(temperature=1.3, top_k=20, top_p=0.9, repetition_penalty=1.3),
+             dict(temperature=0.0, stop_sequences=[[5, 6], [7]])]
+
+
+def use_static_step(monkeypatch) -> list[int]:
+    """Make `generate` decode with the static step on CPU; returns the list of the batch sizes it
+    decodes at (its first batch's, then one per compaction)."""
+    sizes, compact = [], engine.compact
+    monkeypatch.setattr(engine, "use_packed_decoder", lambda device: False)
+    monkeypatch.setattr(engine, "compact", lambda batch, size, *a, **k: sizes.append(size) or compact(batch, size, *a, **k))
+    return sizes
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["plain", "filters-penalty", "greedy-stops"])
+def test_the_static_step_gives_the_packed_engines_tokens_and_logprobs(sampling, monkeypatch):
+    """Same seed, fp32: the static step (whole-buffer attention, finished rows masked, batch dropped to
+    power-of-two buckets) samples exactly the tokens of today's CPU engine (PackedDecoder over the
+    filled slots, finished rows dropped exactly); the log-probs differ only by the rounding of other
+    matmul layouts."""
+    model = rlcore_model(make_hf_model("qwen2"))
+    prompts = random_prompts([6, 3, 11, 6], seed=1)
+
+    def run():
+        return generate(model, prompts, 4, 40, eos_token_ids=list(range(1, 9)), pad_token_id=PAD,
+                        generator=torch.Generator().manual_seed(0), **sampling)
+
+    packed = run()
+    sizes = use_static_step(monkeypatch)
+    static = run()
+    assert sizes and sizes[0] < 16 and all(s & (s - 1) == 0 for s in sizes)  # padded to buckets on the way
+    assert len(set(static.lengths.tolist())) > 3
+    assert torch.equal(static.completion_ids, packed.completion_ids)
+    assert torch.equal(static.completion_mask, packed.completion_mask)
+    assert torch.equal(static.truncated, packed.truncated)
+    torch.testing.assert_close(static.sampling_logprobs, packed.sampling_logprobs, rtol=0, atol=1e-6)
+    if packed.full_logprobs is not None:
+        torch.testing.assert_close(static.full_logprobs, packed.full_logprobs, rtol=0, atol=1e-6)
+
+
+def test_masking_dropping_or_padding_finished_rows_changes_no_token(monkeypatch):
+    """The static step with the batch compacted to buckets (padding rows included) against the same
+    step keeping every row to the end: identical tokens (a row's sampling noise does not depend on
+    the other rows) and log-probs but for the rounding of matmuls over another row count."""
+    model = rlcore_model(make_hf_model("qwen3"))
+    prompts = random_prompts([3, 5, 7, 9, 4, 6, 8, 2], seed=5)
+    sizes = use_static_step(monkeypatch)
+
+    def run():
+        return generate(model, prompts, 2, 40, eos_token_ids=list(range(1, 9)), pad_token_id=PAD, temperature=1.0,
+                        top_p=0.95, generator=torch.Generator().manual_seed(2))
+
+    compacted = run()
+    assert len(sizes) >= 2 and sizes == sorted(sizes, reverse=True) and sizes[-1] < 16
+    sizes.clear()
+    monkeypatch.setattr(engine, "COMPACT_FRACTION", 0)
+    kept = run()
+    assert sizes == []
+    for field in ("completion_ids", "completion_mask", "truncated"):
+        assert torch.equal(getattr(compacted, field), getattr(kept, field)), field
+    for field in ("sampling_logprobs", "full_logprobs"):
+        torch.testing.assert_close(getattr(compacted, field), getattr(kept, field), rtol=0, atol=1e-6)
+
+
+def test_the_static_step_compiles_in_one_graph(monkeypatch):
+    """torch.compile(fullgraph=True) of `decode_one_token` (which raises at any graph break), with
+    every sampling option and a stop sequence, through a compaction (a new batch shape); the compiled
+    step gives the eager step's rollout bit for bit. aot_eager traces what Inductor would compile
+    (Dynamo's graph and its functionalised mutations) without generating code: seconds, not minutes."""
+    model = rlcore_model(make_hf_model("qwen3"))
+    prompts = random_prompts([6, 3, 5], seed=1)
+    sizes = use_static_step(monkeypatch)
+
+    def run():
+        return generate(model, prompts, 2, 24, eos_token_ids=list(range(1, 9)), pad_token_id=PAD, temperature=0.8,
+                        top_k=20, min_p=0.01, repetition_penalty=1.2, stop_sequences=[[5, 6]],
+                        generator=torch.Generator().manual_seed(0))
+
+    eager = run()
+    assert sizes  # the batch shrank: the compiled step met a second shape
+    compiled_steps = []
+    compiled = torch.compile(engine.decode_one_token, fullgraph=True, backend="aot_eager")
+    monkeypatch.setattr(engine, "decode_one_token", lambda *a: compiled_steps.append(1) or compiled(*a))
+    torch._dynamo.reset()
+    got = run()
+    assert len(compiled_steps) == 23
+    for field in ("completion_ids", "completion_mask", "sampling_logprobs", "full_logprobs"):
+        assert torch.equal(getattr(got, field), getattr(eager, field)), field
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (14, 2), (8, 1)])
+def test_decode_attention_twin_equals_the_fp64_definition(heads, kv_heads):
+    """softmax(q k^T / sqrt(D)) v over each row's own slots start..end-1 of the whole buffer, query
+    head h on kv head h // (heads / kv_heads), in fp64 by hand; rows of many lengths, one of a slot."""
+    from rlcore.rollout.attention import decode_attention_twin
+
+    g = torch.Generator().manual_seed(0)
+    B, S, D = 5, 37, 16
+    q = torch.randn(B, heads, 1, D, generator=g)
+    k, v = torch.randn(B, kv_heads, S, D, generator=g), torch.randn(B, kv_heads, S, D, generator=g)
+    start, end = torch.tensor([0, 3, 10, 36, 0]), torch.tensor([37, 20, 11, 37, 1])
+    got = decode_attention_twin(q, k, v, start, end)
+    for b in range(B):
+        for h in range(heads):
+            keys = slice(int(start[b]), int(end[b]))
+            kv = h // (heads // kv_heads)
+            scores = k[b, kv, keys].double() @ q[b, h, 0].double() / D ** 0.5
+            want = scores.softmax(0) @ v[b, kv, keys].double()
+            torch.testing.assert_close(got[b, h, 0].double(), want, rtol=0, atol=1e-6)

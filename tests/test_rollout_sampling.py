@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlcore.rollout.sampling import filter_logits, sample
+from rlcore.rollout.sampling import draw, filter_logits, sample, sampling_key, uniforms
 
 V = 12
 
@@ -38,6 +38,12 @@ def reference_distribution(logits, temperature, top_k=0, top_p=1.0, min_p=0.0,
         best = max(p.values())
         p = renorm({i: q for i, q in p.items() if q >= min_p * best})
     return p
+
+
+def row_uniforms(rows: int, seed: int, step: int = 0) -> torch.Tensor:
+    """The uniforms a rollout seeded with `seed` draws for rows 0..rows-1 at `step`."""
+    key = sampling_key(torch.Generator().manual_seed(seed), torch.device("cpu"))
+    return uniforms(key, torch.arange(rows), torch.tensor(step))
 
 
 def chi2_critical(df: int, z: float = 3.09) -> float:
@@ -78,8 +84,7 @@ def test_samples_follow_the_filtered_distribution(case):
     logits = torch.randn(V, generator=torch.Generator().manual_seed(0)) * 2
     ref = reference_distribution(logits, **case)
     n = 40_000
-    tokens, samp, full = sample(logits.expand(n, V).contiguous(), **case,
-                                generator=torch.Generator().manual_seed(1))
+    tokens, samp, full = sample(logits.expand(n, V).contiguous(), **case, uniforms=row_uniforms(n, seed=1))
     check_draws(tokens, samp, ref)
     full_ref = (logits.double() / case["temperature"]).log_softmax(-1)[tokens[:100]]
     if len(case) == 1:
@@ -107,8 +112,7 @@ def test_samples_follow_the_repetition_penalised_distribution(case):
     n = 40_000
     seen = torch.zeros(n, V, dtype=torch.bool)
     seen[:, seen_ids] = True
-    tokens, samp, full = sample(logits.expand(n, V).contiguous(), **case, seen=seen,
-                                generator=torch.Generator().manual_seed(1))
+    tokens, samp, full = sample(logits.expand(n, V).contiguous(), **case, seen=seen, uniforms=row_uniforms(n, seed=1))
     check_draws(tokens, samp, ref)
     full_ref = (logits.double() / case["temperature"]).log_softmax(-1)[tokens[:100]]
     torch.testing.assert_close(full[:100].double(), full_ref, rtol=0, atol=1e-5)
@@ -143,7 +147,7 @@ def test_greedy_takes_the_argmax_with_its_unscaled_logprob():
 def test_masked_tokens_are_never_drawn():
     logits = torch.zeros(10_000, V)
     logits[:, ::2] = float("-inf")
-    tokens, _, _ = sample(logits, generator=torch.Generator().manual_seed(4))
+    tokens, _, _ = sample(logits, uniforms=row_uniforms(10_000, seed=4))
     assert (tokens % 2 == 1).all()
 
 
@@ -170,42 +174,48 @@ def test_filter_keeps_the_set_transformers_keeps_on_tied_logits(case):
     assert torch.equal(got.isfinite(), ref.isfinite())
 
 
-class EveryUniform:
-    """Stands in for `torch` inside rlcore.rollout.sampling: `rand` returns a quarter of every
-    multiple of 2^-24 in [0, 1) per call (all of CPU torch.rand's fp32 values), and `searchsorted`
-    records the tokens they map to."""
-
-    def __init__(self):
-        self.tokens, self.calls = [], 0
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    def rand(self, shape, generator=None, device=None):
-        k, self.calls = self.calls, self.calls + 1
-        return (torch.arange(k * 2**22, (k + 1) * 2**22, dtype=torch.float32) * 2.0**-24)[None]
-
-    def searchsorted(self, *args, **kwargs):
-        self.tokens.append(torch.searchsorted(*args, **kwargs)[0])
-        return self.tokens[-1][None]
-
-
-def test_draw_is_within_the_documented_total_variation_of_the_softmax(monkeypatch):
+def test_draw_is_within_the_documented_total_variation_of_the_softmax():
     """draw's docstring: inverse CDF on the fp32 uniform grid, within ~4e-4 total variation of the
     softmax at V = 32000. Exact check: every grid uniform is run through draw once, which gives
     the distribution draw induces (each uniform has probability 2^-24), compared with the fp64
     softmax. Measured 4.04e-4 here (4.1e-4 for logits of std 0.5, 3.9e-4 for equal logits): the
     2^-24 grid's rounding of each token's mass, summed over 32000 tokens, is most of it."""
-    import rlcore.rollout.sampling as sampling
-
-    u = torch.rand(1000, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(u * 2**24, (u * 2**24).floor())  # CPU torch.rand: multiples of 2^-24, as assumed
+    u = row_uniforms(1000, seed=0)
+    assert torch.equal(u * 2**24, (u * 2**24).floor())  # the sampler's uniforms: multiples of 2^-24, as assumed
     logits = torch.randn(32000, generator=torch.Generator().manual_seed(0))
-    grid = EveryUniform()
-    monkeypatch.setattr(sampling, "torch", grid)
-    for _ in range(4):
-        sampling.draw(logits[None])
-    monkeypatch.undo()
-    p = torch.bincount(torch.cat(grid.tokens), minlength=32000).double() / 2**24
+    tokens = [draw(logits[None], (torch.arange(k * 2**22, (k + 1) * 2**22, dtype=torch.float32) * 2.0**-24)[None])[0]
+              for k in range(4)]  # every multiple of 2^-24 in [0, 1), a quarter at a time
+    p = torch.bincount(torch.cat(tokens, 1)[0], minlength=32000).double() / 2**24
     tv = 0.5 * (p - logits.double().softmax(-1)).abs().sum().item()
     assert p.sum() == 1.0 and tv < 4.5e-4, tv  # 8.3e-4 with exp(logits - max) rounded to bf16
+
+
+def test_uniforms_are_uniform_and_independent_across_rows_and_steps():
+    """The counter-based uniforms of 4096 rows x 64 steps: in [0, 1) on the 2^-24 grid, uniform over
+    64 bins, and the pairs (step t, step t + 1) of a row and (row r, row r + 1) at a step uniform
+    over 16 x 16 cells (chi-square, p = 0.001); another key gives other draws."""
+    rows, steps = torch.arange(4096), torch.arange(64)
+    key = sampling_key(torch.Generator().manual_seed(0), torch.device("cpu"))
+    u = torch.stack([uniforms(key, rows, t) for t in steps], 1)  # [rows, steps]
+    assert u.min() >= 0 and u.max() < 1 and torch.equal(u * 2**24, (u * 2**24).floor())
+
+    def chi2(cells: torch.Tensor, bins: int) -> float:
+        counts = torch.bincount(cells.flatten(), minlength=bins).double()
+        expected = cells.numel() / bins
+        return ((counts - expected) ** 2 / expected).sum().item()
+
+    assert chi2((u * 64).long(), 64) < chi2_critical(63)
+    b = (u * 16).long()
+    assert chi2(b[:, :-1] * 16 + b[:, 1:], 256) < chi2_critical(255)  # along steps
+    assert chi2(b[:-1] * 16 + b[1:], 256) < chi2_critical(255)        # along rows
+    other = sampling_key(torch.Generator().manual_seed(1), torch.device("cpu"))
+    assert (uniforms(other, rows, steps[0]) != u[:, 0]).float().mean() > 0.99
+
+
+def test_a_rows_uniform_depends_on_its_row_and_step_alone():
+    """What lets the engine mask, drop or pad rows without changing any row's tokens."""
+    key = sampling_key(torch.Generator().manual_seed(3), torch.device("cpu"))
+    every = uniforms(key, torch.arange(10), torch.tensor(5))
+    some = torch.tensor([7, 2, 9])
+    assert torch.equal(uniforms(key, some, torch.tensor(5)), every[some])
+    assert not torch.equal(uniforms(key, some, torch.tensor(6)), every[some])

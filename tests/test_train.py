@@ -50,6 +50,12 @@ SPEC_KEYS = {"reward/mean", "reward/std", f"reward/{__name__}:first_digit/mean",
              "mismatch/abs_mean", "mismatch/abs_max", "mismatch/k3"}
 
 
+# A sampling seed whose first rounds have completions of unequal lengths and unequal rewards in some
+# group: on-policy, a round whose completions are all as long has a loss of exactly 0 (the
+# advantages of a group sum to 0), and one whose groups all score alike does not move the weights.
+UNEVEN = "rollout.seed=1"
+
+
 def config(run, *overrides):
     return load_config(DEFAULT_CONFIG, [*SMALL, f"train.output_dir={run}", *overrides])
 
@@ -163,7 +169,7 @@ def test_reward_rises_on_a_learnable_reward(tmp_path):
 def test_second_epoch_sees_moved_ratios_and_clips(tmp_path):
     # mu = 2: epoch 1 replays the round after one optimizer step, so pi_old != pi_theta.
     run = tmp_path / "run"
-    train(config(run, "train.max_steps=6", "loss.num_iterations=2", "train.learning_rate=3e-2"))
+    train(config(run, "train.max_steps=6", "loss.num_iterations=2", "train.learning_rate=3e-2", UNEVEN))
     got = rows(run)
     assert [r["epoch"] for r in got] == [0, 1] * 3
     second = [r for r in got if r["epoch"] == 1]
@@ -357,7 +363,7 @@ def test_dapo_divides_by_the_tokens_of_the_whole_step_under_gradient_accumulatio
     for name, geometry in (("ga1", ["train.per_device_train_batch_size=16"]),
                            ("ga2", ["train.per_device_train_batch_size=8", "train.gradient_accumulation_steps=2"])):
         train(config(tmp_path / name, "train.max_steps=1", "train.max_grad_norm=0.0", "train.log_completions=true",
-                     "train.num_completions_to_print=0", *geometry))
+                     "train.num_completions_to_print=0", UNEVEN, *geometry))
     texts = [(tmp_path / name / "completions.jsonl").read_text() for name in ("ga1", "ga2")]
     assert texts[0] == texts[1]  # the same completions, rewards and advantages
     (one,), (two,) = rows(tmp_path / "ga1"), rows(tmp_path / "ga2")
@@ -438,12 +444,12 @@ def test_tis_weights_the_loss_by_the_trainer_to_engine_ratio_clamped_at_tis_max(
         return dataclasses.replace(ro, sampling_logprobs=ro.sampling_logprobs - c)
 
     monkeypatch.setattr(rlcore.rollout, "generate", generate_shifted)
-    train(config(tmp_path / "plain", "train.max_steps=1"))
+    train(config(tmp_path / "plain", "train.max_steps=1", UNEVEN))
     (plain,) = rows(tmp_path / "plain")
     assert abs(plain["loss"]) > 1e-4
     for tis_max, weight, changed in ((3.0, math.exp(c), 0.0), (1.2, 1.2, 1.0)):
         run = tmp_path / f"tis{tis_max}"
-        train(config(run, "train.max_steps=1", "loss.tis_mode=token_truncate", f"loss.tis_max={tis_max}"))
+        train(config(run, "train.max_steps=1", "loss.tis_mode=token_truncate", f"loss.tis_max={tis_max}", UNEVEN))
         (r,) = rows(run)
         assert r["tis/mean"] == pytest.approx(weight, rel=1e-4) and r["tis/frac_changed"] == changed
         assert r["loss"] == pytest.approx(weight * plain["loss"], rel=1e-4)

@@ -116,9 +116,10 @@ def test_the_shipped_gsm8k_config_trains_a_step(qwen_dir, gsm8k_file, gsm8k_eval
     """configs/qwen2.5-0.5b-gsm8k.toml as shipped (columns, system prompt, chat template, rewards,
     bf16, batch sizes), with what a user passes and what a CPU needs: device, one step, short outputs."""
     run = tmp_path / "run"
+    # rollout.seed=1: a round in which the random model scores once by chance (all rewards 0 move no weight)
     cfg = load_config(str(GSM8K_CONFIG), [
         f"model.path={qwen_dir}", f"data.path={gsm8k_file}", f"data.eval_path={gsm8k_eval_file}", "train.device=cpu",
-        "train.max_steps=1", "rollout.max_completion_length=8", "train.eval_max_completion_length=8",
+        "train.max_steps=1", "rollout.max_completion_length=8", "rollout.seed=1", "train.eval_max_completion_length=8",
         f"train.output_dir={run}"])
     assert (cfg.train.bf16, cfg.data.use_chat_template, cfg.loss.reward_funcs) == (True, True, ["accuracy", "format"])
     tok = Tokenizer.from_dir(qwen_dir)  # the prompt the run feeds the model: ChatML with the system prompt

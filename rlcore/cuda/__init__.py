@@ -5,6 +5,9 @@ oracle; a CUDA run without a compiler gets the twin, with one warning saying why
 
 - `token_logprobs.cu`: the softmax passes of per-token log-probabilities (twins:
   `rlcore.losses.logprobs.chunk_stats` and `chunk_grad_`).
+- `decode_attention.cu`: flash-decoding, one new token per row against the rollout's static KV
+  cache (twin: `rlcore.rollout.attention.decode_attention_twin`). It has no torch headers and is
+  called through ctypes (`decode_attention.py`), so it builds in seconds.
 
 The first CUDA call builds the extension into torch's extension cache (~/.cache/torch_extensions,
 or $TORCH_EXTENSIONS_DIR) for the GPU at hand, which takes about a minute; later runs load it.
@@ -29,14 +32,17 @@ import torch
 
 from rlcore import RlcoreWarning
 
-SOURCES = {"token_logprobs": Path(__file__).with_name("token_logprobs.cu")}
+SOURCES = {"token_logprobs": Path(__file__).with_name("token_logprobs.cu"),
+           "decode_attention": Path(__file__).with_name("decode_attention.cu")}
+PLAIN_C = {"decode_attention"}  # no torch headers: a plain shared library, called through ctypes
 _loaded: dict[str, ModuleType | None] = {}
 STALE_LOCK_MINUTES = 20  # a build takes about a minute; older than this, its builder is gone
 
 
 def build(name: str, verbose: bool = False) -> ModuleType:
-    """Compile (or load the cached build of) the extension `name` and return it. Raises when the
-    build fails; set TORCH_CUDA_ARCH_LIST to build on a machine without a GPU."""
+    """Compile (or load the cached build of) the extension `name` and return it (for a plain-C
+    kernel, its ctypes binding). Raises when the build fails; set TORCH_CUDA_ARCH_LIST to build on
+    a machine without a GPU."""
     from torch.utils import cpp_extension
 
     # The directory load() would pick (torch's private helper, there since torch 1.x).
@@ -44,8 +50,12 @@ def build(name: str, verbose: bool = False) -> ModuleType:
     build_dir = find_dir(f"rlcore_{name}", verbose) if find_dir else None
     if build_dir:
         clear_stale_lock(Path(build_dir) / "lock")
-    return cpp_extension.load(name=f"rlcore_{name}", sources=[str(SOURCES[name])], build_directory=build_dir,
-                              extra_cuda_cflags=["-O3"], verbose=verbose)
+    built = cpp_extension.load(name=f"rlcore_{name}", sources=[str(SOURCES[name])], build_directory=build_dir,
+                               extra_cuda_cflags=["-O3"], verbose=verbose, is_python_module=name not in PLAIN_C)
+    if name in PLAIN_C:  # load() returned the library's path
+        from rlcore.cuda.decode_attention import DecodeAttention
+        return DecodeAttention(built)
+    return built
 
 
 def clear_stale_lock(lock: Path) -> None:

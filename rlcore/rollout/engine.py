@@ -2,20 +2,27 @@
 
     prefill          each distinct prompt once, left-padded so every prompt ends at slot T-1
     (expand)         copy each prompt's keys/values to its G rows of the static cache (in generate)
-    decode_one_token all unfinished rows together, one token per step (on CPU: `PackedDecoder`,
-                     the same step from weights laid out once per rollout, see packed.py)
-    generate         the loop: sample, record, stop rows, compact the batch, repeat
+    decode_one_token the static step: one token for every row of the batch, fixed shapes, state
+                     in device tensors updated in place, no host sync (graphs.py captures it in a
+                     CUDA graph per batch size; on CPU `PackedDecoder` in packed.py is faster)
+    generate         the loop: stretches of CHECK_EVERY steps, each ended by one host sync that
+                     stops the loop or compacts the batch
 
 Cache layout: plain tensors `[L, B, H_kv, T + max_new_tokens - 1, D]`. Prompts are left-padded
-to T, so completion token t of every row sits at the same slot T + t; a row's RoPE positions
-count only its real tokens (a short prompt gets the positions it would have unpadded). The
-padding stays masked by a per-row bool mask `[B, 1, 1, S]` that never changes during decoding.
-Each step attends over only the filled slots (a view of the first T + t + 1), not the buffer.
+to T, so completion token t of every row is fed at the same slot T + t; a row's RoPE positions
+count only its real tokens (a short prompt gets the positions it would have unpadded). Row b
+attends over its slots start[b] .. T + t (attention.py): the padding before start[b] and the
+slots not yet written stay out. Finished rows stay in the batch, masked, until the next check
+drops them (on GPU, down to a power-of-two batch size, whose graph is captured once).
+
+Sampling noise is a pure function of (a key drawn from `generator`, global row, step)
+(sampling.uniforms), so masking, dropping or padding rows changes no row's tokens.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -23,9 +30,11 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rlcore.lora import LoraLinear
-from rlcore.model import KVCache, Transformer, padded_causal_mask
+from rlcore.model import KVCache, Transformer, apply_rope, padded_causal_mask, rope_cos_sin
+from rlcore.rollout.attention import decode_attention
+from rlcore.rollout.graphs import CapturedStep
 from rlcore.rollout.packed import PackedDecoder
-from rlcore.rollout.sampling import check_sampling_args, sample
+from rlcore.rollout.sampling import check_sampling_args, reports_full_logprobs, sample, sampling_key, uniforms
 
 CHECK_EVERY = 8         # steps between "are all rows done?" checks (each one is a host sync)
 COMPACT_FRACTION = 8    # compact when at least 1/COMPACT_FRACTION of the batch has finished
@@ -49,7 +58,7 @@ class Rollout:
 
 def use_packed_decoder(device: torch.device) -> bool:
     """Decode with `PackedDecoder` (weights laid out once per rollout) on CPU, where a step's
-    small matmuls pay for re-blocking the weights on every call; the model's forward elsewhere."""
+    small matmuls pay for re-blocking the weights on every call; the static step elsewhere."""
     return device.type == "cpu"
 
 
@@ -76,23 +85,6 @@ def prefill(model: Transformer, prompts: list[list[int]],
     with torch.autocast(device.type, dtype=dtype, enabled=dtype != model.lm_head_weight.dtype):
         h = model(ids, positions, mask, cache, slots)
         return cache, (h[:, -1] @ model.lm_head_weight.T).float()
-
-
-def decode_one_token(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor,
-                     cache: KVCache, mask: torch.Tensor, slot: int,
-                     logits_out: torch.Tensor) -> torch.Tensor:
-    """Feed tokens `[B]` at RoPE positions `[B]`, written at cache slot `slot` of every row.
-
-    `cache` and `mask` `[B, 1, 1, S]` cover slots 0..slot only. Returns fp32 logits `[B, V]`,
-    written into `logits_out` (reused every step: an 8 MB allocation per step costs page faults).
-    """
-    B = tokens.shape[0]
-    slots = torch.full((B, 1), slot, dtype=torch.long, device=tokens.device)
-    h = model(tokens[:, None], positions[:, None], mask, cache, slots)[:, -1]
-    w = model.lm_head_weight
-    if w.dtype == torch.float32 and not torch.is_autocast_enabled(h.device.type):
-        return torch.mm(h, w.T, out=logits_out)
-    return logits_out.copy_(h @ w.T)
 
 
 def decoding_attention(device: torch.device):
@@ -136,12 +128,151 @@ def matmul_weights_in(model: Transformer, dtype: torch.dtype):
 
 def stop_hits(recent: torch.Tensor, eos: torch.Tensor,
               stop_sequences: list[torch.Tensor]) -> torch.Tensor:
-    """Rows `[B]` whose completion, ending in `recent` `[B, W]`, ends in EOS or a stop sequence."""
-    hit = torch.isin(recent[:, -1], eos)
+    """Rows `[B]` whose completion, ending in `recent` `[B, W]`, ends in EOS or a stop sequence
+    (W >= the longest stop sequence; -1 fills `recent` before a row's first token)."""
+    hit = (recent[:, -1:] == eos).any(-1)
     for seq in stop_sequences:
-        if recent.shape[1] >= len(seq):
-            hit |= (recent[:, -len(seq):] == seq).all(-1)
+        hit |= (recent[:, -len(seq):] == seq).all(-1)
     return hit
+
+
+@dataclass
+class Batch:
+    """The rows a stretch of decoding steps runs on. Every tensor keeps its shape for the stretch
+    and each step updates it in place (a CUDA graph replays on fixed addresses). Finished rows
+    stay, masked; padding rows (global row N, a scratch row of the outputs) fill a bucket."""
+
+    cache: KVCache             # [L, B, H_kv, S, D]
+    rows: torch.Tensor         # [B] long, each row's global row
+    tokens: torch.Tensor       # [B] long, the token sampled last, fed next
+    positions: torch.Tensor    # [B] long, its RoPE position
+    start: torch.Tensor        # [B] long, the row's first real slot (left padding before it)
+    step: torch.Tensor         # [] long, the completion index of `tokens`, the same for every row
+    done: torch.Tensor         # [B] bool, stopped (or padding)
+    recent: torch.Tensor       # [B, W] long, the row's last W tokens, for stop sequences
+    seen: torch.Tensor | None  # [B, V] bool, the tokens in each row, for the repetition penalty
+
+
+@dataclass
+class Decoding:
+    """What every step of one rollout reads and does not change, and the outputs it writes
+    (`[N + 1, max_new_tokens]`, by global row; row N takes the padding rows' writes)."""
+
+    prompt_width: int          # T: token t of every completion is fed at slot T + t
+    head: torch.Tensor         # [V, H] the output projection in the rollout's dtype
+    key: torch.Tensor          # [2] long, the sampling key (sampling.uniforms)
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    eos: torch.Tensor          # [E] long
+    stops: list[torch.Tensor]  # stop sequences
+    pad: int
+    completion: torch.Tensor   # long, pad after the end
+    written: torch.Tensor      # bool: the completion mask
+    sampling_logprobs: torch.Tensor
+    full_logprobs: torch.Tensor | None
+    stopped: torch.Tensor      # [N + 1] bool
+
+
+def sample_and_record(logits: torch.Tensor, batch: Batch, run: Decoding) -> None:
+    """Sample token `batch.step` of every row from fp32 logits `[B, V]`, write it to the outputs
+    and update the batch: tokens, done, recent, seen. Finished rows get pad, written as not real."""
+    tok, lp, flp = sample(logits, run.temperature, run.top_k, run.top_p, run.min_p,
+                          uniforms(run.key, batch.rows, batch.step), run.repetition_penalty, batch.seen)
+    tok = tok.masked_fill(batch.done, run.pad)
+    at = (batch.rows, batch.step.expand_as(batch.rows))
+    run.completion.index_put_(at, tok)
+    run.written.index_put_(at, ~batch.done)
+    run.sampling_logprobs.index_put_(at, lp.masked_fill(batch.done, 0.0))
+    if run.full_logprobs is not None:
+        run.full_logprobs.index_put_(at, flp.masked_fill(batch.done, 0.0))
+    if batch.seen is not None:
+        batch.seen.scatter_(1, tok[:, None], True)
+    batch.recent.copy_(torch.cat((batch.recent[:, 1:], tok[:, None]), 1))
+    batch.done |= stop_hits(batch.recent, run.eos, run.stops)
+    run.stopped.index_put_((batch.rows,), batch.done)
+    batch.tokens.copy_(tok)
+
+
+def forward_one_token(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                      slot: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """The model's forward pass (rlcore.model, its own modules) for tokens `[B]` at RoPE positions
+    `[B]`, their keys/values written at cache slot `slot` (`[]` long) of every row, each row
+    attending over its slots start..slot. Returns the final hidden states `[B, H]`."""
+    B = tokens.shape[0]
+    x = model.model.embed_tokens(tokens)
+    cos, sin = rope_cos_sin(model.inv_freq, positions[:, None], x.dtype)  # [B, 1, 1, D]
+    end = (slot + 1).expand(B)
+    for i, block in enumerate(model.model.layers):
+        attn = block.self_attn
+        h = block.input_layernorm(x)
+        q = attn.q_proj(h).view(B, attn.n_heads, 1, attn.head_dim)
+        k = attn.k_proj(h).view(B, attn.n_kv, 1, attn.head_dim)
+        v = attn.v_proj(h).view(B, attn.n_kv, 1, attn.head_dim)
+        if attn.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        cache.k[i].index_copy_(2, slot.view(1), apply_rope(k, cos, sin).to(cache.k.dtype))
+        cache.v[i].index_copy_(2, slot.view(1), v.to(cache.v.dtype))
+        y = decode_attention(apply_rope(q, cos, sin), cache.k[i], cache.v[i], start, end)
+        x = x + attn.o_proj(y.reshape(B, -1))
+        x = x + block.mlp(block.post_attention_layernorm(x))
+    return model.model.norm(x)
+
+
+def decode_one_token(model: Transformer, batch: Batch, run: Decoding) -> None:
+    """The static decoding step: feed every row's last token at slot T + step, sample the next.
+
+    Shapes depend on the batch alone, all state is in device tensors updated in place, nothing
+    waits on the device: a CUDA graph captures it, and torch.compile(fullgraph=True) traces it."""
+    h = forward_one_token(model, batch.tokens, batch.positions, batch.cache, run.prompt_width + batch.step,
+                          batch.start)
+    logits = (h @ run.head.T).float()
+    batch.positions.add_(1)
+    batch.step.add_(1)
+    sample_and_record(logits, batch, run)
+
+
+def packed_one_token(packed: PackedDecoder, batch: Batch, run: Decoding, slot: int,
+                     mask: torch.Tensor | None) -> None:
+    """`decode_one_token` with PackedDecoder's forward pass (the CPU path): the batch's tokens are
+    fed at `slot` (= T + batch.step, from the host) and attend over the filled slots only
+    (`mask` `[B, 1, 1, S]`, or None when no row is padded)."""
+    view = KVCache(batch.cache.k[:, :, :, :slot + 1], batch.cache.v[:, :, :, :slot + 1])
+    logits = packed(batch.tokens, batch.positions, view, None if mask is None else mask[..., :slot + 1], slot)
+    batch.positions.add_(1)
+    batch.step.add_(1)
+    sample_and_record(logits, batch, run)
+
+
+def compact(batch: Batch, size: int, filled: int, model: Transformer, scratch_row: int) -> Batch:
+    """A batch of `size` rows: the unfinished rows of `batch`, then padding rows (done, writing to
+    `scratch_row`). Copies the cache's `filled` slots, about the cost of one decoding step."""
+    keep = (~batch.done).nonzero()[:, 0]
+    extra = size - len(keep)
+
+    def take(x: torch.Tensor, fill) -> torch.Tensor:
+        return torch.cat((x[keep], x.new_full((extra, *x.shape[1:]), fill)))
+
+    k, v = batch.cache.k, batch.cache.v
+    cache = KVCache.empty(model.config, size, k.shape[3], k.dtype, k.device)
+    cache.k[:, :len(keep), :, :filled] = k[:, keep, :, :filled]
+    cache.v[:, :len(keep), :, :filled] = v[:, keep, :, :filled]
+    return Batch(cache, take(batch.rows, scratch_row), take(batch.tokens, 0), take(batch.positions, 0),
+                 take(batch.start, 0), batch.step.clone(), take(batch.done, True), take(batch.recent, -1),
+                 None if batch.seen is None else take(batch.seen, False))
+
+
+def bucket(rows: int) -> int:
+    """The batch size a static step runs `rows` rows at: the next power of two, so a rollout
+    captures at most log2(N) + 1 graphs."""
+    return 1 << (rows - 1).bit_length()
+
+
+def cuda_graphs_enabled() -> bool:
+    """RLCORE_CUDA_GRAPHS=0 runs the static step eagerly on CUDA (for debugging and profiling)."""
+    return os.environ.get("RLCORE_CUDA_GRAPHS", "1") != "0"
 
 
 @torch.no_grad()
@@ -166,7 +297,9 @@ def generate(
     """Sample `num_generations` completions of at most `max_new_tokens` for each prompt.
 
     A row stops after any id in `eos_token_ids` or any of `stop_sequences` (both are kept in
-    the completion and its mask). `generator` seeds sampling (same seed, same completions).
+    the completion and its mask). `generator` seeds sampling (same seed, same completions): a
+    sampled rollout draws one key from it (from the device's default generator when None), a
+    greedy one nothing.
     `repetition_penalty` (1.0 = off) applies to each row's prompt tokens and the tokens it has
     generated so far, as in transformers (left padding excluded).
     `dtype` (default: the model's) is the compute dtype: bf16 for an fp32 model runs the
@@ -210,91 +343,76 @@ def generate(
         cache.v[:, :, :, :T] = prompt_cache.v[:, which]
         del prompt_cache
         prompt_len = torch.tensor([len(p) for p in distinct], device=device)[which]
-        slot = torch.arange(cache.k.shape[3], device=device)
-        valid = (slot >= T - prompt_len[:, None])[:, None, None, :]  # [N, 1, 1, S]: not padding
-
-        # Outputs, indexed by global row; `rows` maps the (shrinking) batch to global rows.
-        completion = torch.full((N, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-        written = torch.zeros(N, max_new_tokens, dtype=torch.bool, device=device)
-        samp_lp = torch.zeros(N, max_new_tokens, dtype=torch.float32, device=device)
-        full_lp = torch.zeros_like(samp_lp)
-        stopped = torch.zeros(N, dtype=torch.bool, device=device)
-        rows = torch.arange(N, device=device)
-        done = torch.zeros(N, dtype=torch.bool, device=device)
-        eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=device)
-        stops = [torch.tensor(s, dtype=torch.long, device=device) for s in stop_sequences]
-        longest_stop = max([1] + [len(s) for s in stop_sequences])
-        positions = prompt_len.clone()
-        logits = first_logits[which]
-        seen = None  # [B, V] bool: the tokens already in each row, for the repetition penalty
+        seen = None  # [N, V] bool: the tokens already in each row, for the repetition penalty
         if repetition_penalty != 1.0:
-            seen = torch.zeros(len(distinct), logits.shape[-1], dtype=torch.bool, device=device)
+            seen = torch.zeros(len(distinct), first_logits.shape[-1], dtype=torch.bool, device=device)
             for i, p in enumerate(distinct):
                 seen[i, torch.tensor(p, device=device)] = True
             seen = seen[which]
+        longest_stop = max([1] + [len(s) for s in stop_sequences])
+        long = dict(dtype=torch.long, device=device)
+        batch = Batch(cache, rows=torch.arange(N, **long), tokens=torch.zeros(N, **long), positions=prompt_len.clone(),
+                      start=T - prompt_len, step=torch.zeros((), **long),
+                      done=torch.zeros(N, dtype=torch.bool, device=device),
+                      recent=torch.full((N, longest_stop), -1, **long), seen=seen)
+        outputs = torch.full((N + 1, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+        full = reports_full_logprobs(temperature, top_k, top_p, min_p, repetition_penalty)
+        run = Decoding(
+            prompt_width=T, head=model.lm_head_weight.to(dtype),
+            key=sampling_key(generator, device) if temperature > 0 else torch.zeros(2, **long),  # greedy draws nothing
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+            eos=torch.tensor(list(eos_token_ids), **long), stops=[torch.tensor(s, **long) for s in stop_sequences],
+            pad=pad_token_id,
+            completion=outputs, written=torch.zeros_like(outputs, dtype=torch.bool),
+            sampling_logprobs=torch.zeros_like(outputs, dtype=torch.float32),
+            full_logprobs=torch.zeros_like(outputs, dtype=torch.float32) if full else None,
+            stopped=torch.zeros(N + 1, dtype=torch.bool, device=device))
+        sample_and_record(first_logits[which], batch, run)
+
         packed = PackedDecoder(model, N, dtype) if use_packed else None
-        autocast = torch.autocast(device.type, dtype=dtype, enabled=narrowing)
-        logits_buf = torch.empty_like(logits) if packed is None else None
-        padded = not bool(valid.all())  # else a decoding step's single query needs no mask at all
-        has_full = False
+        padding = use_packed and bool((batch.start > 0).any())  # else a packed step needs no mask at all
+        autocast = torch.autocast(device.type, dtype=dtype, enabled=narrowing, cache_enabled=False)
 
-        for t in range(max_new_tokens):
-            tok, lp, flp = sample(logits, temperature, top_k, top_p, min_p, generator, repetition_penalty, seen)
-            tok = tok.masked_fill(done, pad_token_id)
-            if seen is not None:
-                seen[torch.arange(len(rows), device=device), tok] = True
-            completion[rows, t] = tok
-            written[rows, t] = ~done
-            samp_lp[rows, t] = lp.masked_fill(done, 0.0)
-            if flp is not None:
-                has_full = True
-                full_lp[rows, t] = flp.masked_fill(done, 0.0)
-            if len(eos) or stops:
-                recent = completion[rows, max(0, t + 1 - longest_stop):t + 1]
-                done = done | stop_hits(recent, eos, stops)
-                stopped[rows] = done
-            if t == max_new_tokens - 1:
-                break
-            if (t + 1) % CHECK_EVERY == 0:
-                n_done = int(done.sum())  # host sync, once every CHECK_EVERY steps
-                if progress is not None:
-                    progress(t + 1, N - len(rows) + n_done)
-                if n_done == len(rows):
-                    break
-                if n_done * COMPACT_FRACTION >= len(rows):
-                    # Drop finished rows; copying the cache's filled part is cheaper than decoding them.
-                    keep = (~done).nonzero()[:, 0]
-                    filled = T + t
-                    k = cache.k[:, keep, :, :filled]
-                    v = cache.v[:, keep, :, :filled]
-                    cache = KVCache.empty(model.config, len(keep), cache.k.shape[3], k.dtype, device)
-                    cache.k[:, :, :, :filled] = k
-                    cache.v[:, :, :, :filled] = v
-                    del k, v
-                    rows, done, positions, valid = rows[keep], done[keep], positions[keep], valid[keep]
-                    tok = tok[keep]
-                    if seen is not None:
-                        seen = seen[keep]
-                    if packed is not None:
-                        packed.repack(len(keep))
-            S = T + t + 1  # slots 0..T+t are filled once this token is written at slot T+t
-            view = KVCache(cache.k[:, :, :, :S], cache.v[:, :, :, :S])
+        def stepper(batch: Batch) -> Callable[[int], None]:
+            """`stepper(batch)(t)` feeds token t - 1 of every row of `batch` and samples token t."""
             if packed is not None:
-                logits = packed(tok, positions, view, valid[..., :S] if padded else None, T + t)
-            else:
-                with autocast, decoding_attention(device):
-                    logits = decode_one_token(model, tok, positions, view, valid[..., :S], T + t,
-                                              logits_buf[:len(rows)])
-            positions = positions + 1
+                slots = torch.arange(batch.cache.k.shape[3], device=device)
+                mask = (slots >= batch.start[:, None])[:, None, None] if padding else None
+                return lambda t: packed_one_token(packed, batch, run, T + t - 1, mask)
 
-    lengths = written.sum(1)
+            def step() -> None:
+                with autocast, decoding_attention(device):
+                    decode_one_token(model, batch, run)
+
+            captured = CapturedStep(step) if device.type == "cuda" and cuda_graphs_enabled() else step
+            return lambda t: captured()
+
+        step = stepper(batch)
+        for t in range(1, max_new_tokens):
+            if t % CHECK_EVERY == 0:
+                live = int((~batch.done).sum())  # host sync, once every CHECK_EVERY steps
+                if progress is not None:
+                    progress(t, N - live)
+                if live == 0:
+                    break
+                B = len(batch.rows)
+                size = live if packed is not None else bucket(live)
+                if (B - live) * COMPACT_FRACTION >= B and size < B:
+                    # Drop finished rows; copying the cache's filled part is cheaper than decoding them.
+                    batch = compact(batch, size, T + t - 1, model, scratch_row=N)
+                    if packed is not None:
+                        packed.repack(size)
+                    step = stepper(batch)
+            step(t)
+
+    lengths = run.written[:N].sum(1)
     width = int(lengths.max())
     return Rollout(
         prompt_ids=[list(p) for p in prompts for _ in range(G)],
-        completion_ids=completion[:, :width].contiguous(),
-        completion_mask=written[:, :width].long(),
+        completion_ids=run.completion[:N, :width].contiguous(),
+        completion_mask=run.written[:N, :width].long(),
         lengths=lengths,
-        truncated=~stopped,
-        sampling_logprobs=samp_lp[:, :width].contiguous(),
-        full_logprobs=full_lp[:, :width].contiguous() if has_full else None,
+        truncated=~run.stopped[:N],
+        sampling_logprobs=run.sampling_logprobs[:N, :width].contiguous(),
+        full_logprobs=run.full_logprobs[:N, :width].contiguous() if full else None,
     )
