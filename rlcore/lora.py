@@ -97,7 +97,10 @@ class LoraLinear(nn.Module):
         x = x.to(A.dtype)
         if self.mode == "train":
             x = self.dropout(x)
-        return (out + F.linear(F.linear(x, A), B) * self.scaling).to(out.dtype)
+        # in place, the same bits as (out + delta * s).to(out.dtype): a bf16 add computes in fp32
+        # and rounds once; two [*, out] temporaries fewer per layer (neither is saved for backward)
+        delta = F.linear(F.linear(x, A), B).mul_(self.scaling)
+        return out.add_(delta)
 
     @property
     def weight(self) -> torch.Tensor:
