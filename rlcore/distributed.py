@@ -21,8 +21,10 @@ import torch.distributed as dist
 from rlcore.sharding import is_sharded
 
 
-def init(device: torch.device) -> tuple[int, int, torch.device]:
-    """(rank, world size, this rank's device); starts the process group under torchrun."""
+def init(device: torch.device, cpu_collectives: bool = False) -> tuple[int, int, torch.device]:
+    """(rank, world size, this rank's device); starts the process group under torchrun. On CUDA
+    with `cpu_collectives` (train.fsdp_offload: shards, gradients and their norm in CPU memory) the
+    group also gets gloo for CPU tensors, since NCCL has no CPU backend."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return 0, 1, device
     if device.type == "cuda":
@@ -36,7 +38,8 @@ def init(device: torch.device) -> tuple[int, int, torch.device]:
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        cuda_backend = "cpu:gloo,cuda:nccl" if cpu_collectives else "nccl"
+        dist.init_process_group(cuda_backend if device.type == "cuda" else "gloo")
     return dist.get_rank(), dist.get_world_size(), device
 
 

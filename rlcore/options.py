@@ -208,6 +208,8 @@ class TrainArgs:
     """recompute each layer's activations in backward instead of keeping them (TRL's default is True)"""
     fsdp: bool = False
     """shard weights, gradients and AdamW state over torchrun's ranks (FSDP2), with sharded checkpoints"""
+    fsdp_offload: bool = False
+    """with train.fsdp: keep the shards and AdamW state in CPU memory, each block's copied to the GPU to compute"""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """where to run; auto = cuda when available"""
     output_dir: str = "runs/rlcore"

@@ -233,7 +233,7 @@ def setup(cfg: Config, resume: str | os.PathLike | None = None) -> Run:
     """Check and load everything a run needs (see the module docstring); `resume` is a run directory
     to continue from its latest checkpoint."""
     train_cfg, loss_cfg, rollout_cfg = cfg.train, cfg.loss, cfg.rollout  # the train, loss and rollout sections
-    rank, world, device = distributed.init(pick_device(train_cfg.device))  # (0, 1, device) without torchrun
+    rank, world, device = distributed.init(pick_device(train_cfg.device), cpu_collectives=train_cfg.fsdp_offload)  # (0, 1, device) without torchrun
     if device.type == "cpu":
         reuse_freed_memory()
     main = rank == 0  # rank 0 alone prints and writes files
@@ -338,9 +338,9 @@ def setup(cfg: Config, resume: str | os.PathLike | None = None) -> Run:
     engine = None
     if train_cfg.fsdp and world > 1:  # one rank has nothing to shard: it trains as the replicated mode does
         engine = sharding.EngineCopy(model)  # the rollout's plain copy, before the weights are sharded
-        sharding.shard(model, world, device, train_cfg.bf16)
+        sharding.shard(model, world, device, train_cfg.bf16, train_cfg.fsdp_offload)
         if ref is not None:
-            sharding.shard(ref, world, device, train_cfg.bf16)
+            sharding.shard(ref, world, device, train_cfg.bf16, train_cfg.fsdp_offload)
     opt = adamw(model, train_cfg)
     schedule = lr_lambda(cfg, max_steps)
     return Run(cfg=cfg, rank=rank, world=world, device=device, dir=run, model_dir=model_dir, tok=tok, model=model,

@@ -71,29 +71,32 @@ def _show_prefix(module, args, kwargs):
     return tuple(map(show, args)), {k: show(v) for k, v in kwargs.items()}
 
 
-def _fully_shard(module: nn.Module, mesh, policy, reshard_after_forward: bool) -> None:
+def _fully_shard(module: nn.Module, mesh, policy, offload, reshard_after_forward: bool) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(module, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=reshard_after_forward)
     # around FSDP's own pre-forward hook: hidden before it, shown again after it
     module.register_forward_pre_hook(_hide_prefix, prepend=True, with_kwargs=True)
     module.register_forward_pre_hook(_show_prefix, with_kwargs=True)
 
 
-def shard(model: Transformer, world: int, device: torch.device, bf16: bool) -> Transformer:
+def shard(model: Transformer, world: int, device: torch.device, bf16: bool, offload: bool = False) -> Transformer:
     """Wrap each block of `model`, then the root, with FSDP2 over `world` ranks, in place; with
-    `bf16`, blocks compute with bf16 copies of the fp32 shards and reduce gradients in fp32. The
-    root keeps its parameters gathered after its forward (see the module docstring), and every
-    backward accumulates without reducing until `sync_gradients` says it is a step's last."""
+    `bf16`, blocks compute with bf16 copies of the fp32 shards and reduce gradients in fp32; with
+    `offload`, the shards, their gradients and AdamW's state live in CPU memory (AdamW steps there)
+    and each block's are copied to `device` for its forward and backward. The root keeps its
+    parameters gathered after its forward (see the module docstring), and every backward
+    accumulates without reducing until `sync_gradients` says it is a step's last."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
     mesh = init_device_mesh(device.type, (world,))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                   reduce_dtype=torch.float32 if bf16 else None)
+    placement = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
     for block in model.model.layers:
-        _fully_shard(block, mesh, policy, reshard_after_forward=True)
-    _fully_shard(model, mesh, policy, reshard_after_forward=False)
+        _fully_shard(block, mesh, policy, placement, reshard_after_forward=True)
+    _fully_shard(model, mesh, policy, placement, reshard_after_forward=False)
     model.set_requires_gradient_sync(False)
     return model
 
@@ -147,8 +150,9 @@ class EngineCopy:
         from torch.distributed.tensor import DTensor
 
         reshard(model)  # after a forward without backward the root holds gathered (perhaps bf16) copies
+        device = self.model.inv_freq.device  # the compute device, where offloaded shards are not
         with torch.no_grad():
-            full = {name: p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            full = {name: (p.full_tensor() if isinstance(p, DTensor) else p.detach()).to(device)
                     for name, p in model.named_parameters()}
         self._assign(full)
         del full

@@ -283,8 +283,9 @@ def expand_loss_type(layer: dict) -> None:
     loss["policy_loss"], loss["loss_type"] = policy, aggregation
 
 
-FSDP_OPTIONS = ("full_shard", "auto_wrap")
-"""The entries of transformers' `fsdp` option that rlcore's train.fsdp does: FSDP2 over every block and the root."""
+FSDP_OPTIONS = ("full_shard", "auto_wrap", "offload")
+"""The entries of transformers' `fsdp` option that rlcore does: FSDP2 over every block and the root
+(train.fsdp), with the shards in CPU memory (train.fsdp_offload)."""
 
 
 def expand_tables(out: dict) -> None:
@@ -300,6 +301,8 @@ def expand_tables(out: dict) -> None:
                               f"with each transformer block wrapped (auto_wrap): set fsdp = 'full_shard auto_wrap' "
                               f"or train.fsdp = true")
         out["train"]["fsdp"] = bool(options)
+        if "offload" in options:
+            out["train"]["fsdp_offload"] = True
     for section in list(out):
         kwargs = out[section].pop("generation_kwargs", None)
         if isinstance(kwargs, dict):

@@ -290,6 +290,8 @@ def validate(config: Config, world_size: int = 1) -> None:
     need(not (train.fsdp and train.fp16), "train.fsdp shards fp32 master weights and computes in bf16 with "
          "train.bf16; fp16 loss scaling is not supported with it: set train.fp16 = false (train.bf16 = true on a "
          "GPU with bf16)")
+    need(train.fsdp or not train.fsdp_offload, "train.fsdp_offload = true offloads FSDP's shards, and "
+         "train.fsdp = false: set train.fsdp = true too (or train.fsdp_offload = false)")
     need(not (train.fsdp and config.loss.sync_ref_model), "loss.sync_ref_model mixes the policy into a reference "
          "that checkpoints keep whole; it is not supported with train.fsdp: set one of them to false")
     problems += lora_problems(config)

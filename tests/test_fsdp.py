@@ -146,6 +146,16 @@ def test_fsdp_trains_as_the_replicated_mode(setting, fsdp_dapo, replicated_dapo)
     assert_trained_alike(replicated, fsdp_dapo, setting["model"])
 
 
+def test_offloaded_shards_train_as_shards_on_the_device(setting, fsdp_dapo):
+    """train.fsdp_offload (FSDP2's CPUOffloadPolicy): the shards, gradients and AdamW state in CPU
+    memory, each block copied to the device to compute. Here the device is the CPU, so the placement
+    is the same and the run must be the FSDP run, metrics and weights; on a GPU it is not measured."""
+    offloaded = train_run(setting, "fsdp-offload", 2, 3, "dapo", "train.fsdp=true", "train.fsdp_offload=true")
+    assert [without_timing(r) for r in rows(offloaded)] == [without_timing(r) for r in rows(fsdp_dapo)]
+    a, b = weights(fsdp_dapo / "checkpoint-4" / "model"), weights(offloaded / "checkpoint-4" / "model")
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
 def test_a_sharded_checkpoint_holds_the_shards_and_the_last_one_the_full_model(fsdp_dapo):
     first, last = fsdp_dapo / "checkpoint-2", fsdp_dapo / "checkpoint-4"
     assert sorted(p.name for p in (first / "sharded").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
@@ -352,16 +362,21 @@ def test_trls_fsdp_options_set_train_fsdp():
     assert not load_config(None, ["fsdp="]).train.fsdp
     with pytest.raises(ConfigError, match=r"train.fsdp = 'False' has type str, expected a bool"):
         load_config(None, ["train.fsdp=False"])
-    with pytest.raises(ConfigError, match=r"TRL's fsdp = 'full_shard offload': rlcore has no 'offload'"):
-        load_config(None, ["fsdp=full_shard offload"])
+    assert not load_config(None, ["fsdp=full_shard auto_wrap"]).train.fsdp_offload
+    offloaded = load_config(None, ["fsdp=full_shard auto_wrap offload"]).train
+    assert offloaded.fsdp and offloaded.fsdp_offload
+    with pytest.raises(ConfigError, match=r"TRL's fsdp = 'full_shard hybrid_shard': rlcore has no 'hybrid_shard'"):
+        load_config(None, ["fsdp=full_shard hybrid_shard"])
     with pytest.warns(UserWarning, match=r"TRL's fsdp_config = \{'fsdp_version': 2\} is ignored"):
         load_config(None, ["fsdp_config={fsdp_version = 2}"])
 
 
-def test_fsdp_refuses_fp16_and_a_synced_reference():
+def test_fsdp_refuses_fp16_and_a_synced_reference_and_offload_needs_fsdp():
     from rlcore import ConfigError
     from rlcore.config import load_config
 
+    with pytest.raises(ConfigError, match="train.fsdp_offload = true offloads FSDP's shards, and train.fsdp = false"):
+        load_config(None, ["train.fsdp_offload=true"])
     with pytest.raises(ConfigError, match="fp16 loss scaling is not supported with it"):
         load_config(None, ["train.fsdp=true", "train.fp16=true", "model.dtype=float32"])
     with pytest.raises(ConfigError, match="loss.sync_ref_model .* not supported with train.fsdp"):
