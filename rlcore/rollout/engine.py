@@ -7,6 +7,8 @@
                      CUDA graph per batch size; on CPU `PackedDecoder` in packed.py is faster)
     generate         the loop: stretches of CHECK_EVERY steps, each ended by one host sync that
                      stops the loop or compacts the batch
+    continue_turns   multi-turn only: after a step, append ids (tool results, the next assistant
+                     header) to the rows whose turn just ended; the steps feed them as forced tokens
 
 Cache layout: plain tensors `[L, B, H_kv, T + max_new_tokens - 1, D]`. Prompts are left-padded
 to T, so completion token t of every row is fed at the same slot T + t; a row's RoPE positions
@@ -17,6 +19,13 @@ drops them (on GPU, down to a power-of-two batch size, whose graph is captured o
 
 Sampling noise is a pure function of (a key drawn from `generator`, global row, step)
 (sampling.uniforms), so masking, dropping or padding rows changes no row's tokens.
+
+Multi-turn rows (`end_of_turn`): the ids appended after a turn take the row's next completion
+slots, one per step, in place of the token the step samples (log-prob 0, tool mask 0). Feeding
+them through the same step writes their keys/values into the cache like any token's: the cache
+grows by the new tokens only, the conversation is never prefilled again, and the other rows
+decode meanwhile. A row's sampling noise stays (key, row, step), so rows that call no tool get
+the tokens they get without `end_of_turn`.
 """
 
 from __future__ import annotations
@@ -54,6 +63,13 @@ class Rollout:
     truncated: torch.Tensor           # [N] bool, hit max_new_tokens without EOS / stop sequence
     sampling_logprobs: torch.Tensor   # [N, T] fp32, log-prob under the distribution sampled from
     full_logprobs: torch.Tensor | None  # [N, T] fp32, under the full distribution; only with a filter
+    tool_mask: torch.Tensor | None = None  # [N, T] long, 0 on ids appended after a turn; only with end_of_turn
+
+
+EndOfTurn = Callable[[int, list[int]], "list[int] | None"]
+"""`end_of_turn(row, completion_ids)`: called on the host for global row `row` whose turn just
+ended (EOS or a stop sequence, the last of `completion_ids`, its completion so far); returns the
+ids to append (the tool results and the next assistant header), or None to let the row stop."""
 
 
 def use_packed_decoder(device: torch.device) -> bool:
@@ -174,6 +190,7 @@ class Decoding:
     sampling_logprobs: torch.Tensor
     full_logprobs: torch.Tensor | None
     stopped: torch.Tensor      # [N + 1] bool
+    forced: torch.Tensor | None = None  # [N + 1, max_new_tokens] long: an id appended after a turn, else -1
 
 
 def sample_and_record(logits: torch.Tensor, batch: Batch, run: Decoding) -> None:
@@ -183,6 +200,12 @@ def sample_and_record(logits: torch.Tensor, batch: Batch, run: Decoding) -> None
                           uniforms(run.key, batch.rows, batch.step), run.repetition_penalty, batch.seen)
     tok = tok.masked_fill(batch.done, run.pad)
     at = (batch.rows, batch.step.expand_as(batch.rows))
+    if run.forced is not None:  # an appended id replaces the sample: the model did not choose it
+        forced = run.forced[at]
+        appended = forced >= 0
+        tok = torch.where(appended, forced, tok)
+        lp = lp.masked_fill(appended, 0.0)
+        flp = None if flp is None else flp.masked_fill(appended, 0.0)
     run.completion.index_put_(at, tok)
     run.written.index_put_(at, ~batch.done)
     run.sampling_logprobs.index_put_(at, lp.masked_fill(batch.done, 0.0))
@@ -191,6 +214,8 @@ def sample_and_record(logits: torch.Tensor, batch: Batch, run: Decoding) -> None
     if batch.seen is not None:
         batch.seen.scatter_(1, tok[:, None], True)
     batch.recent.copy_(torch.cat((batch.recent[:, 1:], tok[:, None]), 1))
+    if run.forced is not None:  # appended ids never stop a row, nor start a stop sequence of the next turn
+        batch.recent.masked_fill_(appended[:, None], -1)
     batch.done |= stop_hits(batch.recent, run.eos, run.stops)
     run.stopped.index_put_((batch.rows,), batch.done)
     batch.tokens.copy_(tok)
@@ -264,6 +289,32 @@ def compact(batch: Batch, size: int, filled: int, model: Transformer, scratch_ro
                  None if batch.seen is None else take(batch.seen, False))
 
 
+def continue_turns(batch: Batch, run: Decoding, step: int, was_done: torch.Tensor, end_of_turn: EndOfTurn,
+                   turns: list[int], max_turns: int | None) -> None:
+    """After token `step` of every row is sampled: each row it stopped (done now, not in `was_done`)
+    whose appends so far (`turns[row]`) are fewer than `max_turns` (None: no limit) gets
+    `end_of_turn`'s ids queued as its next tokens and decodes on; `turns[row]` counts them. Ids that
+    do not fit in max_new_tokens are dropped and the row stops, as TRL drops such tool results (after
+    running the calls). One host sync per step, to find the rows, and one per row whose turn ended."""
+    ended = (batch.done & ~was_done).nonzero()[:, 0]
+    if len(ended) == 0:
+        return
+    max_new_tokens = run.completion.shape[1]
+    for i, row in zip(ended.tolist(), batch.rows[ended].tolist()):
+        if max_turns is not None and turns[row] >= max_turns:
+            continue
+        ids = end_of_turn(row, run.completion[row, :step + 1].tolist())
+        if not ids or step + 1 + len(ids) > max_new_tokens:
+            continue
+        if min(ids) < 0:
+            raise ValueError(f"end_of_turn returned a negative token id for row {row} ({min(ids)}); return the ids of "
+                             f"the text to append, as the tokenizer encodes it")
+        run.forced[row, step + 1:step + 1 + len(ids)] = torch.tensor(ids, device=run.forced.device)
+        batch.done[i] = False
+        run.stopped[row] = False
+        turns[row] += 1
+
+
 def bucket(rows: int) -> int:
     """The batch size a static step runs `rows` rows at: the next power of two, so a rollout
     captures at most log2(N) + 1 graphs."""
@@ -293,6 +344,8 @@ def generate(
     generator: torch.Generator | None = None,
     dtype: torch.dtype | None = None,
     progress: Callable[[int, int], None] | None = None,
+    end_of_turn: EndOfTurn | None = None,
+    max_turns: int | None = None,
 ) -> Rollout:
     """Sample `num_generations` completions of at most `max_new_tokens` for each prompt.
 
@@ -306,6 +359,11 @@ def generate(
     rollout under bf16 autocast, with a bf16 KV cache and bf16 copies of the weights of matmuls.
     `progress(tokens, finished)`, when given, is called every CHECK_EVERY tokens, at the check
     that already syncs with the device: `tokens` sampled per row so far, `finished` rows stopped.
+    `end_of_turn` (see EndOfTurn), when given, makes rows multi-turn: a row whose turn ends gets the
+    ids it returns appended and decodes on, at most `max_turns` times (None: no limit; TRL's
+    max_tool_calling_iterations) and within `max_new_tokens` in all; the Rollout's tool_mask is 0 on
+    those ids, whose log-probs are 0. The engine then looks for ended turns after every step, one
+    host sync per step (on a GPU the host no longer runs ahead of the device).
     """
     check_sampling_args(temperature, top_k, top_p, min_p, repetition_penalty)
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -315,6 +373,8 @@ def generate(
                          f"{num_generations} and {max_new_tokens}")
     if any(len(s) == 0 for s in stop_sequences):
         raise ValueError("stop_sequences must not contain an empty sequence")
+    if max_turns is not None and (end_of_turn is None or max_turns < 0):
+        raise ValueError(f"max_turns={max_turns} needs end_of_turn (the ids to append after a turn) and must be >= 0")
     device = model.inv_freq.device
     G, N = num_generations, len(prompts) * num_generations
 
@@ -366,8 +426,12 @@ def generate(
             completion=outputs, written=torch.zeros_like(outputs, dtype=torch.bool),
             sampling_logprobs=torch.zeros_like(outputs, dtype=torch.float32),
             full_logprobs=torch.zeros_like(outputs, dtype=torch.float32) if full else None,
-            stopped=torch.zeros(N + 1, dtype=torch.bool, device=device))
+            stopped=torch.zeros(N + 1, dtype=torch.bool, device=device),
+            forced=torch.full_like(outputs, -1) if end_of_turn is not None else None)
+        turns = [0] * N  # ids appended to each row so far, for max_turns
         sample_and_record(first_logits[which], batch, run)
+        if end_of_turn is not None:
+            continue_turns(batch, run, 0, torch.zeros_like(batch.done), end_of_turn, turns, max_turns)
 
         packed = PackedDecoder(model, N, dtype) if use_packed else None
         padding = use_packed and bool((batch.start > 0).any())  # else a packed step needs no mask at all
@@ -403,7 +467,12 @@ def generate(
                     if packed is not None:
                         packed.repack(size)
                     step = stepper(batch)
-            step(t)
+            if end_of_turn is None:
+                step(t)
+            else:
+                was_done = batch.done.clone()
+                step(t)
+                continue_turns(batch, run, t, was_done, end_of_turn, turns, max_turns)
 
     lengths = run.written[:N].sum(1)
     width = int(lengths.max())
@@ -415,4 +484,5 @@ def generate(
         truncated=~run.stopped[:N],
         sampling_logprobs=run.sampling_logprobs[:N, :width].contiguous(),
         full_logprobs=run.full_logprobs[:N, :width].contiguous() if full else None,
+        tool_mask=(run.forced[:N, :width] < 0).long() if end_of_turn is not None else None,
     )
