@@ -16,7 +16,8 @@ the content being `str(result)` as in TRL. A call that fails gets TRL's error re
 bad arguments or a tool that raises, the parse error for a malformed call, and a timeout message
 for a call that ran past `timeout` seconds. `tool_suffix_ids` renders the tool messages as the chat
 template renders them between turns, with the next assistant header after them: the token ids to
-append to a sequence whose turn ended in tool calls.
+append to a sequence whose turn ended in tool calls. `ToolTurns` puts these together as the
+`end_of_turn` of a multi-turn rollout.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rlcore.rewards import _call, missing_attribute  # _call awaits an async function, as for rewards
-from rlcore.tool_calls import ToolCall
+from rlcore.tool_calls import ToolCall, parse_tool_calls, tool_call_format
 from rlcore.tool_schema import tool_schema
 
 NOT_TOOLS = ("reset", "get_reward")  # environment methods that are never tools (TRL's)
@@ -236,3 +237,40 @@ def tool_suffix_ids(tokenizer, messages: list[dict], chat_template: str | None =
                          f"ships them as trl/chat_templates/*_training.jinja, e.g. qwen3_training.jinja) as the "
                          f"chat template")
     return full[len(turn):]
+
+
+class ToolTurns:
+    """The `end_of_turn` of a multi-turn rollout (rlcore.rollout.generate) over N rows: it reads
+    the calls in the turn that just ended, runs them with the row's tools and returns the ids to
+    append (`tool_suffix_ids`), or None for a turn without calls, which ends the row. Per row it
+    counts `calls`, `failures` and `turns` (the turns whose calls ran; the engine still drops results
+    that do not fit in max_new_tokens, as TRL does after running the calls).
+
+    `environments` holds each row's environment (None for a toolbox without one); an environment
+    whose call timed out leaves the toolbox's pool. `template_kwargs` reach the chat template.
+    """
+
+    def __init__(self, toolbox: Toolbox, tokenizer, rows: int, environments: list[object] | None = None,
+                 timeout: float | None = None, chat_template: str | None = None, **template_kwargs):
+        self.toolbox, self.tokenizer, self.timeout = toolbox, tokenizer, timeout
+        self.chat_template, self.template_kwargs = chat_template, template_kwargs
+        self.format = tool_call_format(tokenizer, chat_template)
+        self.environments = environments if environments is not None else [None] * rows
+        self.tools = [toolbox.tools_for(environment) for environment in self.environments]
+        self.calls, self.failures, self.turns = [0] * rows, [0] * rows, [0] * rows
+        self.turn_start = [0] * rows  # where each row's current turn begins in its completion
+
+    def __call__(self, row: int, completion_ids: list[int]) -> list[int] | None:
+        text = self.tokenizer.decode(completion_ids[self.turn_start[row]:], skip_special_tokens=True)
+        calls = parse_tool_calls(text, self.format, self.toolbox.schemas)
+        if not calls:
+            return None
+        results = run_tool_calls(calls, self.tools[row], self.timeout)
+        if any(result.timed_out for result in results) and self.environments[row] is not None:
+            self.toolbox.retire(self.environments[row])
+        self.calls[row] += len(results)
+        self.failures[row] += sum(result.failed for result in results)
+        self.turns[row] += 1
+        suffix = tool_suffix_ids(self.tokenizer, tool_messages(results), self.chat_template, **self.template_kwargs)
+        self.turn_start[row] = len(completion_ids) + len(suffix)
+        return suffix

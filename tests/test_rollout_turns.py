@@ -192,3 +192,68 @@ def test_max_turns_without_end_of_turn_is_an_error():
     model = rlcore_model(make_hf_model("qwen2"))
     with pytest.raises(ValueError, match="max_turns=2 needs end_of_turn"):
         generate(model, [[3, 4]], 2, 4, eos_token_ids=[1], pad_token_id=PAD, max_turns=2)
+
+
+# ---- ToolTurns: the end_of_turn of tool calling, against TRL's tool loop -----------------------
+
+@pytest.mark.parametrize("template", ["qwen2_5", "llama3_1"])
+def test_tool_turns_append_what_trls_tool_loop_appends_and_count_per_row(tmp_path, template):
+    """Two rows, each ending a turn with calls (one of them failing): the ids appended and the call
+    and failure counts equal one round of TRL's _tool_call_loop on the same turn; a next turn without
+    calls (the earlier calls are still in the completion) ends the row."""
+    from test_tools import LLAMA_ROUNDS, QWEN_ROUNDS, add, checkpoint, describe, divide, trl_tool_round
+    from rlcore.tools import Toolbox, ToolTurns
+
+    ours, ref = checkpoint(tmp_path, template)
+    texts = list((QWEN_ROUNDS if template == "qwen2_5" else LLAMA_ROUNDS).values())
+    tools = [add, divide, describe]
+    end_of_turn = ToolTurns(Toolbox(tools), ours, rows=3, timeout=10.0)
+    expected = [trl_tool_round(ref, text, tools, None) for text in texts]
+    for row, (text, trl_round) in enumerate(zip(texts, expected)):
+        completion = ours.encode(text, add_special_tokens=False)
+        assert completion + end_of_turn(row, completion) == trl_round["ids"]
+    assert end_of_turn.calls[:2] == [trl_round["calls"] for trl_round in expected]
+    assert end_of_turn.failures[:2] == [trl_round["failures"] for trl_round in expected]
+    assert end_of_turn.failures[1] > 0 and end_of_turn.turns == [1, 1, 0]
+    answer = ours.encode("The answer is 9." + ("<|im_end|>" if template == "qwen2_5" else "<|eot_id|>"),
+                         add_special_tokens=False)
+    assert end_of_turn(0, expected[0]["ids"] + answer) is None
+    assert end_of_turn.calls[0] == expected[0]["calls"] and end_of_turn.turns[0] == 1
+    assert end_of_turn(2, answer) is None and end_of_turn.calls[2] == 0
+
+
+class Counter:
+    """An environment: a counter the model increments."""
+
+    def reset(self, **row):
+        self.value = 0
+
+    def increment(self, by: int) -> int:
+        """Add to the counter.
+
+        Args:
+            by: How much.
+        """
+        self.value += by
+        return self.value
+
+
+def test_tool_turns_call_each_row_s_own_environment(tmp_path):
+    from test_tools import checkpoint
+    from rlcore.tools import Toolbox, ToolTurns
+
+    ours, _ = checkpoint(tmp_path, "qwen2_5")
+    toolbox = Toolbox([], environment_factory=Counter)
+    environments = toolbox.environments(2)
+    for environment in environments:
+        environment.reset()
+    end_of_turn = ToolTurns(toolbox, ours, rows=2, environments=environments)
+    completions = [[], []]
+    for row, by in ((0, 3), (1, 5), (0, 4)):  # row 0's second turn follows its first turn's tool result
+        text = f'<tool_call>\n{{"name": "increment", "arguments": {{"by": {by}}}}}\n</tool_call><|im_end|>'
+        completions[row] += ours.encode(text, add_special_tokens=False)
+        suffix = end_of_turn(row, completions[row])
+        completions[row] += suffix
+        assert f"<tool_response>\n{environments[row].value}\n</tool_response>" in ours.decode(suffix)
+    assert [environment.value for environment in environments] == [7, 5]
+    assert end_of_turn.calls == [2, 1] and end_of_turn.failures == [0, 0]
