@@ -257,3 +257,26 @@ def test_tool_turns_call_each_row_s_own_environment(tmp_path):
         assert f"<tool_response>\n{environments[row].value}\n</tool_response>" in ours.decode(suffix)
     assert [environment.value for environment in environments] == [7, 5]
     assert end_of_turn.calls == [2, 1] and end_of_turn.failures == [0, 0]
+
+
+def test_the_static_step_with_appended_ids_compiles_in_one_graph(monkeypatch):
+    """What a CUDA graph needs of the multi-turn step: torch.compile(fullgraph=True) traces it with
+    the forced-token lookup, and the compiled step gives the eager step's rollout bit for bit."""
+    model = rlcore_model(make_hf_model("qwen3"))
+    use_static_step(monkeypatch)
+
+    def run():
+        return generate(model, random_prompts([6, 3, 5], seed=1), 2, 24, eos_token_ids=EOS, pad_token_id=PAD,
+                        temperature=0.8, top_k=20, repetition_penalty=1.2, generator=torch.Generator().manual_seed(0),
+                        end_of_turn=first_turn_only())
+
+    eager = run()
+    assert (eager.tool_mask == 0).any()
+    compiled = torch.compile(engine.decode_one_token, fullgraph=True, backend="aot_eager")
+    compiled_steps = []
+    monkeypatch.setattr(engine, "decode_one_token", lambda *a: compiled_steps.append(1) or compiled(*a))
+    torch._dynamo.reset()
+    got = run()
+    assert len(compiled_steps) == 23
+    for field in ("completion_ids", "completion_mask", "sampling_logprobs", "full_logprobs", "tool_mask"):
+        assert torch.equal(getattr(got, field), getattr(eager, field)), field

@@ -66,7 +66,7 @@ class Rollout:
     tool_mask: torch.Tensor | None = None  # [N, T] long, 0 on ids appended after a turn; only with end_of_turn
 
 
-EndOfTurn = Callable[[int, list[int]], "list[int] | None"]
+EndOfTurn = Callable[[int, list[int]], list[int] | None]
 """`end_of_turn(row, completion_ids)`: called on the host for global row `row` whose turn just
 ended (EOS or a stop sequence, the last of `completion_ids`, its completion so far); returns the
 ids to append (the tool results and the next assistant header), or None to let the row stop."""
