@@ -428,7 +428,7 @@ def generate(
             full_logprobs=torch.zeros_like(outputs, dtype=torch.float32) if full else None,
             stopped=torch.zeros(N + 1, dtype=torch.bool, device=device),
             forced=torch.full_like(outputs, -1) if end_of_turn is not None else None)
-        turns = [0] * N  # ids appended to each row so far, for max_turns
+        turns = [0] * N  # the times ids were appended to each row, for max_turns
         sample_and_record(first_logits[which], batch, run)
         if end_of_turn is not None:
             continue_turns(batch, run, 0, torch.zeros_like(batch.done), end_of_turn, turns, max_turns)
