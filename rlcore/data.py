@@ -236,8 +236,8 @@ def load_examples(data) -> tuple[list[dict], list[dict]]:
     return train, evals
 
 
-def format_prompt(example: dict, tokenizer, system_prompt: str | None = None,
-                  use_chat_template: bool = True, chat_template_kwargs: dict | None = None) -> list[int]:
+def format_prompt(example: dict, tokenizer, system_prompt: str | None = None, use_chat_template: bool = True,
+                  chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
     """Token ids of the prompt, ready for generation.
 
     With a chat template (and `use_chat_template`): the system message (if any) and the prompt (a
@@ -247,7 +247,8 @@ def format_prompt(example: dict, tokenizer, system_prompt: str | None = None,
     that ends with an assistant message (a prefill such as "<think>") is continued
     (continue_final_message); another last role is an error. So is a message whose text is not in
     the rendered prompt: templates skip roles they do not know (Qwen2.5's skips ShareGPT's
-    "human"), and the model would never see it.
+    "human"), and the model would never see it. `tools` (JSON schemas) go to the template as
+    `tools`, which shows them to the model (TRL's tools).
     Without one: the plain text, preceded by the system prompt and a blank line when there is one.
     """
     prompt = example["prompt"]
@@ -268,7 +269,8 @@ def format_prompt(example: dict, tokenizer, system_prompt: str | None = None,
         prefill = last == "assistant"
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=not prefill, tokenize=False,
-                                                 continue_final_message=prefill, **(chat_template_kwargs or {}))
+                                                 continue_final_message=prefill, tools=tools,
+                                                 **(chat_template_kwargs or {}))
         except ValueError as e:  # the template refused the conversation, or drops the message to continue
             raise DataError(f"{where}: {e}") from None
         for label, m in zip(labels, messages):
@@ -297,12 +299,13 @@ def format_prompt(example: dict, tokenizer, system_prompt: str | None = None,
 
 
 def encode_prompts(examples: list[dict], tokenizer, system_prompt: str | None, use_chat_template: bool,
-                   max_prompt_length: int, chat_template_kwargs: dict | None = None) -> list[list[int]]:
+                   max_prompt_length: int, chat_template_kwargs: dict | None = None,
+                   tools: list[dict] | None = None) -> list[list[int]]:
     """`format_prompt` for each example; a prompt over `max_prompt_length` tokens is an error naming
     its file and line (a synthetic task's: its index and text)."""
     out = []
     for i, ex in enumerate(examples):
-        ids = format_prompt(ex, tokenizer, system_prompt, use_chat_template, chat_template_kwargs)
+        ids = format_prompt(ex, tokenizer, system_prompt, use_chat_template, chat_template_kwargs, tools)
         if len(ids) > max_prompt_length:
             source = getattr(ex, "source", None)  # a JSONL row's file:line; a synthetic task's have none
             what = f"{source}: prompt" if source else f"example {i} (prompt {str(ex['prompt'])[:60]!r}...)"

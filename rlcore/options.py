@@ -88,6 +88,14 @@ class RolloutArgs:
     """strings that end a completion (held-out ones too), besides EOS (matched on each string's own token ids)"""
     seed: int | None = None
     """sampling seed; None = train.seed"""
+    tools: list[str] = field(default_factory=list)
+    """functions the model may call, as "module:function" (type hints and a Google docstring give the schema)"""
+    environment_factory: str | None = None
+    """a "module:Class" making one environment per completion: reset(**row); its public methods are tools"""
+    max_tool_calling_iterations: int | None = None
+    """most tool-calling turns per completion (TRL's name); None = until max_completion_length"""
+    tool_timeout: float = 30.0
+    """seconds a tool call may run before the model gets a timeout error as its result"""
 
 
 @dataclass

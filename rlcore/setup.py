@@ -27,12 +27,14 @@ from rlcore.embedded import build_embedded_model, cache_dir_name, why_a_model_of
 from rlcore.geometry import Geometry
 from rlcore.model import Transformer, weight_layout_difference
 from rlcore.lora import apply_lora, keep_as_reference, load_adapter, reference_adapters, set_dropout
-from rlcore.options import LoraArgs, TrainArgs
+from rlcore.options import LoraArgs, RolloutArgs, TrainArgs
 from rlcore.rewards import REWARD_EXTRAS, check_reward_funcs, dataset_columns, get_reward_funcs
 from rlcore.rundir import (changed_data, check_new_run_dir, check_resumed_model, checkpoint_step, latest_checkpoint,
                            load_resumed_model, load_trainer_state, resume_command, way_back)
 from rlcore.tasks import TASK_REWARD, unique_problems
 from rlcore.tokenizer import Tokenizer, check_vocab_fits
+from rlcore.tool_calls import tool_call_format
+from rlcore.tools import Toolbox, load_environment_factory, load_tool
 from rlcore.validation import validate, warn_bf16_weights
 
 
@@ -193,6 +195,7 @@ class Run:
     checkpoint: Path | None  # on --resume, the checkpoint it continues from
     saved_state: dict | None  # and that checkpoint's trainer state
     engine: sharding.EngineCopy | None = None  # under FSDP, the rollout engine's plain copy of the policy
+    toolbox: Toolbox | None = None  # rollout.tools and rollout.environment_factory, when set
 
     @property
     def main(self) -> bool:
@@ -229,6 +232,23 @@ class Run:
                 yield self.model
 
 
+def load_toolbox(rollout_cfg: RolloutArgs, tok: Tokenizer, model_dir: Path) -> Toolbox | None:
+    """The run's Toolbox (rollout.tools and rollout.environment_factory), or None without tools;
+    the chat template must show tools and write calls in a format rlcore parses."""
+    if not (rollout_cfg.tools or rollout_cfg.environment_factory):
+        return None
+    if tok.chat_template is None:
+        raise ValueError(f"rollout.tools = {rollout_cfg.tools!r} needs a chat template to show the model its tools, "
+                         f"and {model_dir} has none; use an instruct checkpoint with tool support (Qwen2.5 / Qwen3, "
+                         f"Llama 3.1 / 3.2) or copy its chat_template.jinja into {model_dir}")
+    try:
+        tool_call_format(tok)
+    except ValueError as err:
+        raise ValueError(f"rollout.tools = {rollout_cfg.tools!r} with {model_dir}'s chat template: {err}") from None
+    factory = load_environment_factory(rollout_cfg.environment_factory) if rollout_cfg.environment_factory else None
+    return Toolbox([load_tool(name) for name in rollout_cfg.tools], factory)
+
+
 def setup(cfg: Config, resume: str | os.PathLike | None = None) -> Run:
     """Check and load everything a run needs (see the module docstring); `resume` is a run directory
     to continue from its latest checkpoint."""
@@ -261,6 +281,7 @@ def setup(cfg: Config, resume: str | os.PathLike | None = None) -> Run:
                  else embedded_model_dir(cfg, rank, world))
     check_model_dir(model_dir)  # before its tokenizer: an rlcore checkpoint or a LoRA adapter is named as such
     tok = Tokenizer.from_dir(model_dir)
+    toolbox = load_toolbox(rollout_cfg, tok, model_dir)  # before a model loads, as the reward functions
     checkpoint = latest_checkpoint(Path(resume)) if resume else None
     # read before anything is written: a wrong rank count changes nothing
     saved_state = load_trainer_state(checkpoint) if checkpoint else None
@@ -288,9 +309,10 @@ def setup(cfg: Config, resume: str | os.PathLike | None = None) -> Run:
     # with LoRA the reference is the policy's own model with its starting adapters (Run.reference)
     separate_ref = loss_cfg.beta and (not cfg.lora.enabled or cfg.model.ref_path)
     ref = reference_model(cfg, model, model_dir, checkpoint, dtype, device) if separate_ref else None
-    for split in (train_set, eval_set):
+    for split in (train_set, eval_set):  # the model sees the tools' schemas in every prompt, held-out ones too
         prompt_ids = encode_prompts(split, tok, cfg.data.system_prompt, cfg.data.use_chat_template,
-                                    cfg.data.max_prompt_length, cfg.data.chat_template_kwargs)
+                                    cfg.data.max_prompt_length, cfg.data.chat_template_kwargs,
+                                    toolbox.schemas if toolbox else None)
         for ex, p in zip(split, prompt_ids):
             ex["prompt_ids"] = p
     for split, new_tokens, option in ((train_set, rollout_cfg.max_completion_length, "rollout.max_completion_length"),
@@ -347,4 +369,4 @@ def setup(cfg: Config, resume: str | os.PathLike | None = None) -> Run:
                ref=ref, train_set=train_set, eval_set=eval_set, reward_funcs=reward_funcs, columns=columns,
                accuracy_fn=accuracy_fn, answer_column=answer_column, stop_sequences=stop_sequences,
                geometry=geometry, opt=opt, sched=torch.optim.lr_scheduler.LambdaLR(opt, schedule), schedule=schedule,
-               checkpoint=checkpoint, saved_state=saved_state, engine=engine)
+               checkpoint=checkpoint, saved_state=saved_state, engine=engine, toolbox=toolbox)

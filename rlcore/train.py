@@ -41,6 +41,7 @@ from torch.amp import GradScaler
 
 from rlcore import RlcoreWarning, distributed, rollout, sharding
 from rlcore.config import Config
+from rlcore.data import format_prompt
 from rlcore.evaluation import completion_token_ids, decode_completions, held_out
 from rlcore.forward import SharedPrompts, completion_logprobs, pack
 from rlcore.losses.advantages import compute_advantages
@@ -56,6 +57,7 @@ from rlcore.runlog import (Progress, add_reward_metrics, log_completions, log_li
                            reduce_metrics, write_row)
 from rlcore.setup import Run, setup
 from rlcore.state import RunState
+from rlcore.tools import ToolTurns, reset_environment
 
 
 def clock(device: torch.device) -> float:
@@ -139,15 +141,34 @@ def save(run: Run, state: RunState, at: dict) -> None:
                         run.ref if synced else None)
 
 
-def sample_round(run: Run, state: RunState, rows: list[dict]) -> rollout.Rollout:
+def tool_turns(run: Run, rows: list[dict]) -> tuple[list[list[int]], ToolTurns]:
+    """The prompts and the end_of_turn of a rollout with tools: with an environment factory, one
+    environment per row, reset on it, its prompt re-rendered when reset returned text to append."""
+    data_cfg, toolbox = run.cfg.data, run.toolbox
+    prompts, environments = [row["prompt_ids"] for row in rows], None
+    if toolbox.environment_factory is not None:
+        environments = toolbox.environments(len(rows))
+        for i, (row, environment) in enumerate(zip(rows, environments)):
+            prompt = reset_environment(environment, row)
+            if prompt is not row["prompt"]:
+                prompts[i] = format_prompt({**row, "prompt": prompt}, run.tok, data_cfg.system_prompt,
+                                           data_cfg.use_chat_template, data_cfg.chat_template_kwargs, toolbox.schemas)
+    turns = ToolTurns(toolbox, run.tok, len(rows), environments, timeout=run.cfg.rollout.tool_timeout,
+                      **data_cfg.chat_template_kwargs)
+    return prompts, turns
+
+
+def sample_round(run: Run, state: RunState, rows: list[dict]) -> tuple[rollout.Rollout, ToolTurns | None]:
     """Sample one completion for each of this rank's `rows` (each prompt already repeated G times,
-    so a group may straddle two ranks), with the run's sampling options and RNG."""
+    so a group may straddle two ranks), with the run's sampling options and RNG; with tools, over
+    several turns, and the ToolTurns that counted the calls (else None)."""
     rollout_cfg = run.cfg.rollout
+    prompts, turns = tool_turns(run, rows) if run.toolbox else ([row["prompt_ids"] for row in rows], None)
     run.model.eval()  # no LoRA dropout while sampling, nor in the old and ref passes that follow
     progress = Progress(f"step {state.step + 1} rollout", enabled=run.main)  # a real model on CPU: minutes
     rows_label = f"{len(rows)} completions" + (" on rank 0" if run.world > 1 else "")
     with run.generating() as policy:  # under FSDP a plain copy, its full weights gathered once
-        return rollout.generate(policy, [ex["prompt_ids"] for ex in rows], num_generations=1,
+        ro = rollout.generate(policy, prompts, num_generations=1,
                                 max_new_tokens=rollout_cfg.max_completion_length,
                                 eos_token_ids=run.tok.eos_token_ids, pad_token_id=run.tok.pad_token_id,
                                 temperature=rollout_cfg.temperature, top_k=rollout_cfg.top_k, top_p=rollout_cfg.top_p,
@@ -156,7 +177,20 @@ def sample_round(run: Run, state: RunState, rows: list[dict]) -> rollout.Rollout
                                 dtype=run.amp,
                                 progress=lambda tokens, finished: progress.report(
                                     f"{tokens}/{rollout_cfg.max_completion_length} tokens, "
-                                    f"{finished}/{rows_label} done"))
+                                    f"{finished}/{rows_label} done"),
+                                **({"end_of_turn": turns, "max_turns": rollout_cfg.max_tool_calling_iterations}
+                                   if turns else {}))
+    return ro, turns
+
+
+def tool_metrics(turns: ToolTurns, world: int, device: torch.device) -> dict[str, float]:
+    """The round's tool use over all ranks: calls per completion, failures per call, tool-calling
+    turns per completion and the fraction of completions that called a tool (TRL's metrics)."""
+    calls, failures, turn_count, used, rows = distributed.sum_over_ranks(
+        [sum(turns.calls), sum(turns.failures), sum(turns.turns), sum(c > 0 for c in turns.calls), len(turns.calls)],
+        world, device)
+    return {"tools/call_frequency": calls / rows, "tools/failure_frequency": failures / max(calls, 1),
+            "tools/turns": turn_count / rows, "tools/used_frac": used / rows}
 
 
 @dataclass
@@ -277,7 +311,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         # counted from data_pos and step, since a resume may start after a round that max_steps cut short
         round_no, round_end = state.data_pos // (N // G), state.step + steps_per_round
         rows = [ex for ex in batch for _ in range(G)][mine]
-        ro = sample_round(run, state, rows)
+        ro, turns = sample_round(run, state, rows)
         t_rollout = clock(device) - t0
 
         # 2. Rewards and advantages, over the whole round (all ranks) before it is cut up.
@@ -294,20 +328,24 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         # them: the policy's own (SPEC 4)
         samp = ro.full_logprobs if ro.full_logprobs is not None else ro.sampling_logprobs
         samp = samp[:, :cids.shape[1]].to(device)
+        lengths = ro.lengths.to(device)
+        if ro.tool_mask is not None:  # tool results are in the sequence, not the model's: out of the loss (TRL)
+            mask = mask * ro.tool_mask[:, :cids.shape[1]].to(device)
+            lengths = mask.sum(1).long()  # the model's own tokens, as TRL counts completion lengths
         truncated = ro.truncated.to(device)
         # SPEC 4.5 applies it last, per micro-batch; once here for the round (as TRL does) the loss is the same,
         # but the entropy mask's quantile and the mismatch metrics skip truncated rows too (docs/losses.md)
         if loss_cfg.mask_truncated_completions:
             mask = mask_truncated(mask, truncated)
         adv = adv.to(device)
-        lengths = ro.lengths.to(device)
         every_length = distributed.gather_rows(lengths, world)  # the round's completions, all ranks
         every_truncated = distributed.gather_rows(truncated.float(), world)
         round_stats = {**scores.stats,
                        "completion/len_mean": every_length.float().mean().item(),
                        "completion/len_min": every_length.min().item(), "completion/len_max": every_length.max().item(),
                        "completion/truncated_frac": every_truncated.mean().item(),
-                       "tokens_per_s/rollout": every_length.sum().item() / max(t_rollout, 1e-9)}
+                       "tokens_per_s/rollout": every_length.sum().item() / max(t_rollout, 1e-9),
+                       **(tool_metrics(turns, world, device) if turns else {})}
         if train_cfg.log_completions:  # every rank's texts and log_extra columns; rank 0 writes them
             texts = distributed.gather_objects((scores.prompts, scores.completions, scores.extra_columns), world)
             if main:

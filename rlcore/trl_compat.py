@@ -167,7 +167,6 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     "hub_always_push": (ANY, "rlcore cannot reach a model hub"),
     "hub_revision": (ANY, "rlcore cannot reach a model hub"),
     # TRL features rlcore does not have
-    "max_tool_calling_iterations": ((None,), "rlcore has no tool calling"),
     "cache_implementation": (ANY, "rlcore's rollout engine has its own static key/value cache"),
     "use_transformers_paged": ((False,), "rlcore generates with its own engine (rlcore.rollout)"),
     "use_transformers_continuous_batching": ((False,), "rlcore generates with its own engine (rlcore.rollout)"),

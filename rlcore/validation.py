@@ -141,6 +141,15 @@ def validate(config: Config, world_size: int = 1) -> None:
     need(rollout.repetition_penalty > 0, f"rollout.repetition_penalty = {rollout.repetition_penalty} must be > 0; "
          f"1.0 = off, above 1 (e.g. 1.1) discourages repeats")
     need(all(rollout.stop), f"rollout.stop = {rollout.stop!r} contains an empty string; remove it")
+    tooled = bool(rollout.tools or rollout.environment_factory)
+    need(not tooled or data.use_chat_template,
+         f"rollout.tools = {rollout.tools!r} / rollout.environment_factory = {rollout.environment_factory!r} need chat "
+         f"prompts, and data.use_chat_template is false: the chat template shows the model its tools and renders "
+         f"the tool results; set data.use_chat_template = true")
+    need(rollout.max_tool_calling_iterations is None or (tooled and rollout.max_tool_calling_iterations >= 0),
+         f"rollout.max_tool_calling_iterations = {rollout.max_tool_calling_iterations} must be >= 0 and needs "
+         f"rollout.tools or rollout.environment_factory; none = no limit")
+    need(rollout.tool_timeout > 0, f"rollout.tool_timeout = {rollout.tool_timeout} must be > 0 seconds (e.g. 30.0)")
 
     need(loss.beta >= 0, f"loss.beta = {loss.beta} must be >= 0; 0.0 = no KL term")
     need(loss.off_policy_mask_threshold is None or loss.off_policy_mask_threshold > 0,

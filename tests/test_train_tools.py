@@ -1,0 +1,172 @@
+"""Training with tools (rollout.tools): the options (TRL's names), their errors, the tool mask in the
+loss and the dapo token count, and the tools/* metrics. A tiny random Qwen2 checkpoint with TRL's
+Qwen2.5 chat template; the fixed-rollout runs replace sampling with turns that call a tool, ended
+by the real ToolTurns, so the counts and the appended tool results are the loop's own."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import trl
+
+import rlcore.rollout
+import rlcore.train
+from rlcore import ConfigError
+from rlcore.cli import DEFAULT_CONFIG
+from rlcore.config import load_config
+from rlcore.options import RolloutArgs
+from rlcore.setup import load_toolbox
+from rlcore.tokenizer import Tokenizer
+from rlcore.train import train
+
+from conftest import fixed_rollout, make_hf_model
+from test_tokenizer import qwen_checkpoint
+
+TEMPLATE = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random Qwen2 over a small BPE vocabulary, whose prompts with the tool schema are ~700 tokens."""
+    path = qwen_checkpoint(tmp_path_factory.mktemp("qwen") / "qwen2_5", TEMPLATE)
+    tok = Tokenizer.from_dir(path)
+    model = make_hf_model("qwen2", vocab_size=512, max_position_embeddings=1024)
+    model.config.eos_token_id, model.config.pad_token_id = tok.eos_token_id, tok.pad_token_id
+    model.save_pretrained(path)
+    return path
+
+
+def config(model_dir, run, *overrides):
+    return load_config(DEFAULT_CONFIG, [
+        f"model.path={model_dir}", "train.device=cpu", "data.num_train=64", "data.num_eval=4", "data.max_prompt_length=1000",
+        "rollout.num_generations=4", "rollout.max_completion_length=48", "train.per_device_train_batch_size=8",
+        "train.max_steps=1", "train.eval_steps=0", "train.save_steps=0", "train.eval_max_completion_length=4",
+        "loss.reward_funcs=['conftest:token_reward']", f"rollout.tools=['{__name__}:add']",
+        f"train.output_dir={run}", *overrides])
+
+
+def call(name: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {{"a": 2, "b": 3}}}}\n</tool_call>'
+
+
+def tool_calling_generate(tok: Tokenizer, record: list):
+    """A stand-in for rollout.generate: row i's first turn calls `add` (i % 4 == 2), an unknown tool
+    (i % 4 == 0) or nothing (odd i); a row that called gets end_of_turn's ids, then a second turn
+    "5" + EOS. The held-out evaluation's calls go to the engine. Records (completion, model's own token count, tool-result positions) per row."""
+    eos, real = tok.eos_token_ids[0], rlcore.rollout.generate
+
+    def generate(model, prompts, *args, end_of_turn=None, max_turns=None, **kwargs):
+        if end_of_turn is None:  # the held-out evaluation samples for real
+            return real(model, prompts, *args, **kwargs)
+        completions, masks = [], []
+        for row in range(len(prompts)):
+            text = {0: call("subtract"), 2: call("add")}.get(row % 4, "no call")
+            first = tok.encode(text, add_special_tokens=False) + [eos]
+            suffix = end_of_turn(row, first) or []
+            second = tok.encode("5", add_special_tokens=False) + [eos] if suffix else []
+            completions.append(first + suffix + second)
+            masks.append([1] * len(first) + [0] * len(suffix) + [1] * len(second))
+            record.append((completions[-1], len(first) + len(second), suffix))
+        ro = fixed_rollout(prompts, completions, eos, tok.pad_token_id)
+        width = ro.completion_ids.shape[1]
+        ro.tool_mask = torch.tensor([m + [1] * (width - len(m)) for m in masks])
+        return ro
+
+    return generate
+
+
+def test_tool_results_are_out_of_the_loss_and_the_dapo_token_count(model_dir, tmp_path, monkeypatch):
+    tok, record, seen = Tokenizer.from_dir(model_dir), [], {}
+    monkeypatch.setattr(rlcore.rollout, "generate", tool_calling_generate(tok, record))
+    real_loss, real_aggregate = rlcore.train.policy_loss, rlcore.train.aggregate_loss
+
+    def policy_loss(logp, old, adv, mask, **kwargs):
+        seen.setdefault("masks", []).append(mask.clone())
+        return real_loss(logp, old, adv, mask, **kwargs)
+
+    def aggregate_loss(per_token, mask, loss_type, **kwargs):
+        seen["step_tokens"] = kwargs["step_tokens"]
+        return real_aggregate(per_token, mask, loss_type, **kwargs)
+
+    monkeypatch.setattr(rlcore.train, "policy_loss", policy_loss)
+    monkeypatch.setattr(rlcore.train, "aggregate_loss", aggregate_loss)
+    train(config(model_dir, tmp_path / "run"))
+    own = sum(count for _, count, _ in record)
+    assert seen["step_tokens"] == own  # the tool results' tokens are not counted
+    mask = torch.cat(seen["masks"])
+    assert mask.sum().item() == own
+    tool_results = sum(len(suffix) for _, _, suffix in record)
+    assert tool_results > 0 and sum(len(c) for c, _, _ in record) == own + tool_results
+
+
+def test_tool_metrics_count_calls_failures_turns_and_users(model_dir, tmp_path, monkeypatch):
+    tok, record = Tokenizer.from_dir(model_dir), []
+    monkeypatch.setattr(rlcore.rollout, "generate", tool_calling_generate(tok, record))
+    run = tmp_path / "run"
+    train(config(model_dir, run))
+    row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    # half the rows call once, and half of those name a tool that does not exist
+    assert row["tools/call_frequency"] == 0.5 and row["tools/failure_frequency"] == 0.5
+    assert row["tools/turns"] == 0.5 and row["tools/used_frac"] == 0.5
+    assert row["completion/len_mean"] == sum(count for _, count, _ in record) / len(record)
+    unknown = tok.decode(record[0][2])
+    assert "Tool subtract not found." in unknown and "5" in tok.decode(record[2][2])
+
+
+def test_tool_options_load_from_trls_flat_names(tmp_path):
+    path = tmp_path / "trl.toml"
+    path.write_text(f'tools = ["{__name__}:add"]\nenvironment_factory = "envs:Game"\n'
+                    f'max_tool_calling_iterations = 3\n')
+    rollout = load_config(str(path)).rollout
+    assert (rollout.tools, rollout.environment_factory, rollout.max_tool_calling_iterations) == \
+        ([f"{__name__}:add"], "envs:Game", 3)
+
+
+@pytest.mark.parametrize("name, message", [("no_such_module_xyz:add", "cannot be imported"),
+                                           (f"{__name__}:subtract", "has no"),
+                                           ("add", "is not 'module:name'")])
+def test_a_bad_tool_name_is_an_error_naming_it(model_dir, name, message):
+    with pytest.raises(ValueError, match=message) as err:
+        load_toolbox(RolloutArgs(tools=[name]), Tokenizer.from_dir(model_dir), model_dir)
+    assert name in str(err.value)
+
+
+def test_tools_without_a_chat_template_are_an_error_naming_the_fix(tmp_path):
+    path = qwen_checkpoint(tmp_path / "plain")
+    with pytest.raises(ValueError, match="needs a chat template"):
+        load_toolbox(RolloutArgs(tools=[f"{__name__}:add"]), Tokenizer.from_dir(path), path)
+
+
+def test_tools_need_chat_prompts_and_a_sane_iteration_limit(model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="data.use_chat_template = true") as err:
+        config(model_dir, tmp_path / "run", "data.use_chat_template=false")
+    with pytest.raises(ConfigError, match="max_tool_calling_iterations = -1"):
+        config(model_dir, tmp_path / "run", "rollout.max_tool_calling_iterations=-1")
+    assert "rollout.tools" in str(err.value)
+
+
+def test_a_sampled_run_with_tools_decodes_through_end_of_turn(model_dir, tmp_path, monkeypatch):
+    calls, real = [], rlcore.rollout.generate
+
+    def generate(*args, **kwargs):
+        calls.append(kwargs.get("end_of_turn"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rlcore.rollout, "generate", generate)
+    run = tmp_path / "run"
+    train(config(model_dir, run, "rollout.max_tool_calling_iterations=2"))
+    turns = [end_of_turn for end_of_turn in calls if end_of_turn is not None]  # the evaluations pass none
+    assert len(turns) == 1 and isinstance(turns[0], rlcore.train.ToolTurns)
+    row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert {"tools/call_frequency", "tools/failure_frequency", "tools/turns", "tools/used_frac"} <= set(row)
