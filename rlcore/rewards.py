@@ -136,7 +136,7 @@ def score_completions(
 
     Each function is called as fn(prompts=..., completions=..., **extra, **columns), where
     `extra` holds what TRL passes besides the columns (completion_ids, trainer_state,
-    log_metric, log_extra); a function without **kwargs gets only the arguments it names. An
+    log_metric, log_extra, and with an environment factory environments, one per row); a function without **kwargs gets only the arguments it names. An
     async function is awaited. It must return one number (bools count as 0/1) or None per
     completion, as a list, tuple, numpy array or 1-D tensor; NaN counts as None (TRL turns None
     into NaN); an infinite score, or one past float32's range, is an error. A function that
@@ -153,7 +153,8 @@ def score_completions(
         name = _name(fn)
         kwargs = _arguments_for(fn, name, {"prompts": prompts, "completions": completions, **(extra or {}),
                                            **columns})
-        per_row = [key for key in kwargs if key in columns or key in ("prompts", "completions", "completion_ids")]
+        per_row = [key for key in kwargs
+                   if key in columns or key in ("prompts", "completions", "completion_ids", "environments")]
         try:
             values = _call(fn, kwargs)
         except ImportError as err:  # a package it needs is missing: no sample would score, reward_on_error or not

@@ -206,11 +206,12 @@ class RoundScores:
 
 
 def score_round(run: Run, state: RunState, rows: list[dict], completion_ids: list[list[int]], round_no: int,
-                round_start: dict, saved: int) -> RoundScores:
+                round_start: dict, saved: int, environments: list | None = None) -> RoundScores:
     """Call the reward functions on this rank's rows, then gather every rank's scores and compute
     the group-normalised advantages over the whole round (SPEC 2). A reward function that fails on
     any rank stops every rank; the round has changed no weight yet, so its start (`round_start`) is
-    checkpointed first when no checkpoint holds the steps taken since `saved`."""
+    checkpointed first when no checkpoint holds the steps taken since `saved`. `environments`, one
+    per row with an environment factory, reach the reward functions as TRL's `environments=`."""
     cfg, world, device, n = run.cfg, run.world, run.device, run.geometry.completions_per_rank
     loss_cfg, N, G = cfg.loss, run.geometry.completions_per_round, run.geometry.G
     texts = decode_completions(run.tok, completion_ids)
@@ -221,6 +222,8 @@ def score_round(run: Run, state: RunState, rows: list[dict], completion_ids: lis
     reward_kwargs = reward_extras(
         completion_ids, reward_state, log_metric=lambda name, value: logged[name].append(float(value)),
         log_extra=lambda column, values: extra_columns.setdefault(column, []).extend(values))
+    if environments is not None:
+        reward_kwargs["environments"] = environments
     R = failure = None
     try:  # a failure on one rank's rows stops every rank with it (else the others wait at the next all-gather)
         R = score_completions(run.reward_funcs, prompts, completions, column_values, loss_cfg.reward_on_error,
@@ -317,7 +320,8 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         # 2. Rewards and advantages, over the whole round (all ranks) before it is cut up.
         t0 = clock(device)
         completion_ids = completion_token_ids(ro)
-        scores = score_round(run, state, rows, completion_ids, round_no, round_start, saved)
+        scores = score_round(run, state, rows, completion_ids, round_no, round_start, saved,
+                             turns.environments if turns and run.toolbox.environment_factory else None)
         adv = scores.advantages[mine]
 
         # The round as training tensors: prompt (left-padded) + completion (right-padded): ids and attn

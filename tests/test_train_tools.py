@@ -170,3 +170,56 @@ def test_a_sampled_run_with_tools_decodes_through_end_of_turn(model_dir, tmp_pat
     assert len(turns) == 1 and isinstance(turns[0], rlcore.train.ToolTurns)
     row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert {"tools/call_frequency", "tools/failure_frequency", "tools/turns", "tools/used_frac"} <= set(row)
+
+
+class Counter:
+    """An environment: reset appends a line to the prompt; `bump` is its tool."""
+
+    def reset(self, **row) -> str:
+        self.total = 0
+        return " Use the counter."
+
+    def bump(self, by: int) -> int:
+        """Add to the counter.
+
+        Args:
+            by: How much to add.
+        """
+        self.total += by
+        return self.total
+
+
+REWARDED = []  # the environments environment_reward was given, per call
+
+
+def environment_reward(completions, environments=None, **kwargs):
+    """The environments' counters; the held-out evaluation runs no environment (None)."""
+    REWARDED.append(environments)
+    if environments is None:
+        return [0.0] * len(completions)
+    return [float(environment.total) for environment in environments]
+
+
+def test_each_completion_gets_a_reset_environment_and_its_prompt(model_dir, tmp_path, monkeypatch):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Count to {i}."}], "answer": str(i)})
+                            + "\n" for i in range(12)))
+    tok, record, seen = Tokenizer.from_dir(model_dir), [], []
+    fake = tool_calling_generate(tok, record)
+
+    def generate(model, prompts, *args, end_of_turn=None, **kwargs):
+        if end_of_turn is not None:
+            seen.append((prompts, end_of_turn))
+        return fake(model, prompts, *args, end_of_turn=end_of_turn, **kwargs)
+
+    monkeypatch.setattr(rlcore.rollout, "generate", generate)
+    train(config(model_dir, tmp_path / "run", "data.task=jsonl", f"data.path={data}",
+                 f"rollout.environment_factory={__name__}:Counter",
+                 f"loss.reward_funcs=['conftest:token_reward', '{__name__}:environment_reward']"))
+    (prompts, turns), = seen
+    environments = turns.environments
+    assert len({id(environment) for environment in environments}) == len(prompts) == 8
+    assert all(isinstance(environment, Counter) for environment in environments)
+    text = tok.decode(prompts[0])
+    assert "Use the counter." in text and '"name": "bump"' in text and '"name": "add"' in text
+    assert [given for given in REWARDED if given is not None] == [environments]  # the reward functions get the rows' environments (TRL's environments=)
