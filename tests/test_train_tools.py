@@ -49,7 +49,8 @@ def model_dir(tmp_path_factory):
 
 def config(model_dir, run, *overrides):
     return load_config(DEFAULT_CONFIG, [
-        f"model.path={model_dir}", "train.device=cpu", "data.num_train=64", "data.num_eval=4", "data.max_prompt_length=1000",
+        f"model.path={model_dir}", "train.device=cpu", "data.num_train=64", "data.num_eval=4",
+        "data.max_prompt_length=1000",
         "rollout.num_generations=4", "rollout.max_completion_length=48", "train.per_device_train_batch_size=8",
         "train.max_steps=1", "train.eval_steps=0", "train.save_steps=0", "train.eval_max_completion_length=4",
         "loss.reward_funcs=['conftest:token_reward']", f"rollout.tools=['{__name__}:add']",
@@ -63,7 +64,8 @@ def call(name: str) -> str:
 def tool_calling_generate(tok: Tokenizer, record: list):
     """A stand-in for rollout.generate: row i's first turn calls `add` (i % 4 == 2), an unknown tool
     (i % 4 == 0) or nothing (odd i); a row that called gets end_of_turn's ids, then a second turn
-    "5" + EOS. The held-out evaluation's calls go to the engine. Records (completion, model's own token count, tool-result positions) per row."""
+    "5" + EOS. The held-out evaluation's calls go to the engine. Records (completion, the model's
+    own token count, the tool-result ids, the tool mask) per row."""
     eos, real = tok.eos_token_ids[0], rlcore.rollout.generate
 
     def generate(model, prompts, *args, end_of_turn=None, max_turns=None, **kwargs):
@@ -77,7 +79,7 @@ def tool_calling_generate(tok: Tokenizer, record: list):
             second = tok.encode("5", add_special_tokens=False) + [eos] if suffix else []
             completions.append(first + suffix + second)
             masks.append([1] * len(first) + [0] * len(suffix) + [1] * len(second))
-            record.append((completions[-1], len(first) + len(second), suffix))
+            record.append((completions[-1], len(first) + len(second), suffix, masks[-1]))
         ro = fixed_rollout(prompts, completions, eos, tok.pad_token_id)
         width = ro.completion_ids.shape[1]
         ro.tool_mask = torch.tensor([m + [1] * (width - len(m)) for m in masks])
@@ -102,12 +104,14 @@ def test_tool_results_are_out_of_the_loss_and_the_dapo_token_count(model_dir, tm
     monkeypatch.setattr(rlcore.train, "policy_loss", policy_loss)
     monkeypatch.setattr(rlcore.train, "aggregate_loss", aggregate_loss)
     train(config(model_dir, tmp_path / "run"))
-    own = sum(count for _, count, _ in record)
+    own = sum(count for _, count, *_ in record)
     assert seen["step_tokens"] == own  # the tool results' tokens are not counted
-    mask = torch.cat(seen["masks"])
-    assert mask.sum().item() == own
-    tool_results = sum(len(suffix) for _, _, suffix in record)
-    assert tool_results > 0 and sum(len(c) for c, _, _ in record) == own + tool_results
+    mask = torch.cat(seen["masks"])  # the rows in the micro-batches' shuffled order
+    width = mask.shape[1]
+    assert sorted(tuple(tool_mask + [0] * (width - len(tool_mask))) for *_, tool_mask in record) == \
+        sorted(tuple(row) for row in mask.long().tolist())
+    tool_results = sum(len(suffix) for _, _, suffix, _ in record)
+    assert tool_results > 0 and sum(len(c) for c, *_ in record) == own + tool_results
 
 
 def test_tool_metrics_count_calls_failures_turns_and_users(model_dir, tmp_path, monkeypatch):
@@ -119,7 +123,7 @@ def test_tool_metrics_count_calls_failures_turns_and_users(model_dir, tmp_path, 
     # half the rows call once, and half of those name a tool that does not exist
     assert row["tools/call_frequency"] == 0.5 and row["tools/failure_frequency"] == 0.5
     assert row["tools/turns"] == 0.5 and row["tools/used_frac"] == 0.5
-    assert row["completion/len_mean"] == sum(count for _, count, _ in record) / len(record)
+    assert row["completion/len_mean"] == sum(count for _, count, *_ in record) / len(record)
     unknown = tok.decode(record[0][2])
     assert "Tool subtract not found." in unknown and "5" in tok.decode(record[2][2])
 
@@ -222,4 +226,5 @@ def test_each_completion_gets_a_reset_environment_and_its_prompt(model_dir, tmp_
     assert all(isinstance(environment, Counter) for environment in environments)
     text = tok.decode(prompts[0])
     assert "Use the counter." in text and '"name": "bump"' in text and '"name": "add"' in text
-    assert [given for given in REWARDED if given is not None] == [environments]  # the reward functions get the rows' environments (TRL's environments=)
+    # the reward functions get the rows' environments (TRL's environments=); the evaluations, None
+    assert [given for given in REWARDED if given is not None] == [environments]
