@@ -153,6 +153,10 @@ def tool_turns(run: Run, rows: list[dict]) -> tuple[list[list[int]], ToolTurns]:
             if prompt is not row["prompt"]:
                 prompts[i] = format_prompt({**row, "prompt": prompt}, run.tok, data_cfg.system_prompt,
                                            data_cfg.use_chat_template, data_cfg.chat_template_kwargs, toolbox.schemas)
+                if len(prompts[i]) > data_cfg.max_prompt_length:
+                    raise ValueError(f"the prompt {str(row['prompt'])[:60]!r} is {len(prompts[i])} tokens with the "
+                                     f"text {type(environment).__name__}.reset appended, over data.max_prompt_length "
+                                     f"= {data_cfg.max_prompt_length}; raise it or return shorter text from reset")
     turns = ToolTurns(toolbox, run.tok, len(rows), environments, timeout=run.cfg.rollout.tool_timeout,
                       **data_cfg.chat_template_kwargs)
     return prompts, turns

@@ -193,6 +193,14 @@ class Counter:
         return self.total
 
 
+def chat_data(tmp_path) -> Path:
+    """A JSONL dataset of chat prompts (an environment needs messages)."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Count to {i}."}], "answer": str(i)})
+                            + "\n" for i in range(12)))
+    return data
+
+
 REWARDED = []  # the environments environment_reward was given, per call
 
 
@@ -205,9 +213,7 @@ def environment_reward(completions, environments=None, **kwargs):
 
 
 def test_each_completion_gets_a_reset_environment_and_its_prompt(model_dir, tmp_path, monkeypatch):
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Count to {i}."}], "answer": str(i)})
-                            + "\n" for i in range(12)))
+    data = chat_data(tmp_path)
     tok, record, seen = Tokenizer.from_dir(model_dir), [], []
     fake = tool_calling_generate(tok, record)
 
@@ -228,3 +234,15 @@ def test_each_completion_gets_a_reset_environment_and_its_prompt(model_dir, tmp_
     assert "Use the counter." in text and '"name": "bump"' in text and '"name": "add"' in text
     # the reward functions get the rows' environments (TRL's environments=); the evaluations, None
     assert [given for given in REWARDED if given is not None] == [environments]
+
+
+class Verbose(Counter):
+    def reset(self, **row) -> str:
+        return " many words" * 200
+
+
+def test_a_prompt_that_reset_makes_too_long_is_an_error_naming_the_limit(model_dir, tmp_path):
+    data = chat_data(tmp_path)
+    with pytest.raises(ValueError, match="Verbose.reset appended, over data.max_prompt_length = 1000"):
+        train(config(model_dir, tmp_path / "run", "data.task=jsonl", f"data.path={data}",
+                     f"rollout.environment_factory={__name__}:Verbose"))
