@@ -295,7 +295,7 @@ def test_chat_template_kwargs_render_prompts_as_transformers_does(qwen_dir, gsm8
                                                return_dict=False, **kwargs)
         assert ("<think>" in tok.decode(ours)) == bool(kwargs)
     seen, real = [], rlcore.setup.encode_prompts
-    monkeypatch.setattr(rlcore.setup, "encode_prompts", lambda *a: seen.append(a[-1]) or real(*a))
+    monkeypatch.setattr(rlcore.setup, "encode_prompts", lambda *a: seen.append(a[5]) or real(*a))  # chat_template_kwargs
     train(cfg)
     assert seen == [{"enable_thinking": False}] * 2  # the training and the held-out prompts
 
