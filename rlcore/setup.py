@@ -34,7 +34,8 @@ from rlcore.rundir import (changed_data, check_new_run_dir, check_resumed_model,
 from rlcore.tasks import TASK_REWARD, unique_problems
 from rlcore.tokenizer import Tokenizer, check_vocab_fits
 from rlcore.tool_calls import tool_call_format
-from rlcore.tools import Toolbox, load_environment_factory, load_tool
+from rlcore.tools import (Toolbox, is_prefix_preserving, load_environment_factory, load_tool, tool_suffix_ids,
+                          training_chat_template)
 from rlcore.validation import validate, warn_bf16_weights
 
 
@@ -232,9 +233,11 @@ class Run:
                 yield self.model
 
 
-def load_toolbox(rollout_cfg: RolloutArgs, tok: Tokenizer, model_dir: Path) -> Toolbox | None:
+def load_toolbox(rollout_cfg: RolloutArgs, tok: Tokenizer, model_dir: Path, main: bool = True) -> Toolbox | None:
     """The run's Toolbox (rollout.tools and rollout.environment_factory), or None without tools;
-    the chat template must show tools and write calls in a format rlcore parses."""
+    the chat template must show tools and write calls in a format rlcore parses. A template that
+    is not prefix-preserving becomes TRL's training template for it, in `tok`, for the whole run
+    (prompts, held-out prompts and tool results), as GRPOTrainer renders with it; `main` prints so."""
     if not (rollout_cfg.tools or rollout_cfg.environment_factory):
         return None
     if tok.chat_template is None:
@@ -245,6 +248,19 @@ def load_toolbox(rollout_cfg: RolloutArgs, tok: Tokenizer, model_dir: Path) -> T
         tool_call_format(tok)
     except ValueError as err:
         raise ValueError(f"rollout.tools = {rollout_cfg.tools!r} with {model_dir}'s chat template: {err}") from None
+    if not is_prefix_preserving(tok):
+        if (training := training_chat_template(tok)) is None:
+            try:  # the first tool result would fail; fail before the model loads
+                tool_suffix_ids(tok, [{"role": "tool", "name": "dummy", "content": "dummy"}])
+            except ValueError as err:
+                raise ValueError(f"rollout.tools = {rollout_cfg.tools!r} with {model_dir}'s chat template: "
+                                 f"{err}") from None
+        else:
+            tok.chat_template = training  # the checkpoints still save the model's own (rundir copies its files)
+            if main:
+                print(f"{model_dir}'s chat template is not prefix-preserving, so tool results could not be "
+                      f"appended; rendering this run with TRL's training template for it (rlcore/chat_templates)",
+                      flush=True)
     factory = load_environment_factory(rollout_cfg.environment_factory) if rollout_cfg.environment_factory else None
     return Toolbox([load_tool(name) for name in rollout_cfg.tools], factory)
 
@@ -281,7 +297,7 @@ def setup(cfg: Config, resume: str | os.PathLike | None = None) -> Run:
                  else embedded_model_dir(cfg, rank, world))
     check_model_dir(model_dir)  # before its tokenizer: an rlcore checkpoint or a LoRA adapter is named as such
     tok = Tokenizer.from_dir(model_dir)
-    toolbox = load_toolbox(rollout_cfg, tok, model_dir)  # before a model loads, as the reward functions
+    toolbox = load_toolbox(rollout_cfg, tok, model_dir, main)  # before a model loads, as the reward functions
     checkpoint = latest_checkpoint(Path(resume)) if resume else None
     # read before anything is written: a wrong rank count changes nothing
     saved_state = load_trainer_state(checkpoint) if checkpoint else None

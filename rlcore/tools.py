@@ -17,7 +17,8 @@ bad arguments or a tool that raises, the parse error for a malformed call, and a
 for a call that ran past `timeout` seconds. `tool_suffix_ids` renders the tool messages as the chat
 template renders them between turns, with the next assistant header after them: the token ids to
 append to a sequence whose turn ended in tool calls. `ToolTurns` puts these together as the
-`end_of_turn` of a multi-turn rollout.
+`end_of_turn` of a multi-turn rollout. A template that is not prefix-preserving (Qwen3's) cannot
+render them so; `training_chat_template` gives the template TRL swaps in for it.
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ import inspect
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from rlcore.rewards import _call, missing_attribute  # _call awaits an async function, as for rewards
 from rlcore.tool_calls import ToolCall, parse_tool_calls, tool_call_format
 from rlcore.tool_schema import tool_schema
 
 NOT_TOOLS = ("reset", "get_reward")  # environment methods that are never tools (TRL's)
+CHAT_TEMPLATES = Path(__file__).parent / "chat_templates"  # TRL's files, byte for byte (README.md there)
+TRAINING_TEMPLATES = {"qwen3.jinja": "qwen3_training.jinja"}  # a stock template -> the one TRL trains it with
 
 
 def load_named(name: str, option: str) -> object:
@@ -210,6 +214,31 @@ def tool_messages(results: list[ToolResult]) -> list[dict]:
     return [{"role": "tool", "name": result.name, "content": result.content} for result in results]
 
 
+def call_turn(name: str) -> list[dict]:
+    """TRL's minimal conversation ending in an assistant turn that calls tool `name`."""
+    return [{"role": "user", "content": "dummy"},
+            {"role": "assistant", "content": "",
+             "tool_calls": [{"type": "function", "function": {"name": name, "arguments": {}}}]}]
+
+
+def is_prefix_preserving(tokenizer) -> bool:
+    """Whether the chat template renders an assistant turn with tool calls the same once a tool
+    message follows it: TRL's is_chat_template_prefix_preserving, which decides the swap."""
+    turn = tokenizer.apply_chat_template(call_turn("dummy"), add_generation_prompt=False, tokenize=True)
+    full = tokenizer.apply_chat_template(call_turn("dummy") + [{"role": "tool", "name": "dummy", "content": "dummy"}],
+                                         add_generation_prompt=True, tokenize=True)
+    return full[:len(turn)] == turn
+
+
+def training_chat_template(tokenizer) -> str | None:
+    """TRL's training template for the tokenizer's chat template (get_training_chat_template, for
+    the templates rlcore ships), or None where there is none."""
+    for stock, training in TRAINING_TEMPLATES.items():
+        if tokenizer.chat_template == (CHAT_TEMPLATES / stock).read_text(encoding="utf-8"):
+            return (CHAT_TEMPLATES / training).read_text(encoding="utf-8")
+    return None
+
+
 def tool_suffix_ids(tokenizer, messages: list[dict], chat_template: str | None = None, **template_kwargs) -> list[int]:
     """Token ids to append after an assistant turn that ended in tool calls (with an EOS): the
     tool `messages` as the chat template renders them between turns, then the generation prompt.
@@ -220,9 +249,7 @@ def tool_suffix_ids(tokenizer, messages: list[dict], chat_template: str | None =
     template may write more after the EOS, e.g. Qwen's "\\n", which belongs to the suffix).
     `template_kwargs` reach the template (e.g. enable_thinking).
     """
-    conversation = [{"role": "user", "content": "dummy"},
-                    {"role": "assistant", "content": "",
-                     "tool_calls": [{"type": "function", "function": {"name": messages[0]["name"], "arguments": {}}}]}]
+    conversation = call_turn(messages[0]["name"])
     turn = tokenizer.apply_chat_template(conversation, add_generation_prompt=False, tokenize=True,
                                          chat_template=chat_template, **template_kwargs)
     full = tokenizer.apply_chat_template(conversation + messages, add_generation_prompt=True, tokenize=True,
@@ -233,9 +260,10 @@ def tool_suffix_ids(tokenizer, messages: list[dict], chat_template: str | None =
     if full[:len(turn)] != turn:
         raise ValueError(f"the chat template renders an assistant turn differently once tool messages follow it "
                          f"({tokenizer.decode(turn)[-80:]!r} is not the start of {tokenizer.decode(full)[-160:]!r}), "
-                         f"so tool results cannot be appended to a sequence; use a prefix-preserving template (TRL "
-                         f"ships them as trl/chat_templates/*_training.jinja, e.g. qwen3_training.jinja) as the "
-                         f"chat template")
+                         f"so tool results cannot be appended to a sequence; rlcore swaps in TRL's training "
+                         f"template for the stock templates in rlcore/chat_templates, and this is none of them: "
+                         f"write a prefix-preserving one (as TRL's trl/chat_templates/*_training.jinja, e.g. "
+                         f"qwen3_training.jinja) into the checkpoint's chat_template.jinja")
     return full[len(turn):]
 
 
