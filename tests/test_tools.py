@@ -581,7 +581,8 @@ def test_template_kwargs_reach_the_suffix_as_trls_chat_template_kwargs(tmp_path,
 
 def test_a_template_that_is_not_prefix_preserving_is_an_error_naming_the_fix(tmp_path):
     """Qwen3's own template drops the empty <think> block of an assistant turn once a tool message
-    follows; TRL's check agrees, and TRL swaps in its training template, which the error names."""
+    follows; TRL's check agrees. The error names TRL's training template, which a run with tools
+    swaps in for it (test_chat_templates.py) as GRPOTrainer does."""
     from trl.chat_template_utils import is_chat_template_prefix_preserving
 
     ours, ref = checkpoint(tmp_path, "qwen3")
