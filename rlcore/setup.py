@@ -246,21 +246,15 @@ def load_toolbox(rollout_cfg: RolloutArgs, tok: Tokenizer, model_dir: Path, main
                          f"Llama 3.1 / 3.2) or copy its chat_template.jinja into {model_dir}")
     try:
         tool_call_format(tok)
-    except ValueError as err:
-        raise ValueError(f"rollout.tools = {rollout_cfg.tools!r} with {model_dir}'s chat template: {err}") from None
-    if not is_prefix_preserving(tok):
-        if (training := training_chat_template(tok)) is None:
-            try:  # the first tool result would fail; fail before the model loads
-                tool_suffix_ids(tok, [{"role": "tool", "name": "dummy", "content": "dummy"}])
-            except ValueError as err:
-                raise ValueError(f"rollout.tools = {rollout_cfg.tools!r} with {model_dir}'s chat template: "
-                                 f"{err}") from None
-        else:
-            tok.chat_template = training  # the checkpoints still save the model's own (rundir copies its files)
+        if not is_prefix_preserving(tok) and (training := training_chat_template(tok)) is not None:
+            tok.chat_template = training  # checkpoints still get the model's own (rundir copies its files)
             if main:
                 print(f"{model_dir}'s chat template is not prefix-preserving, so tool results could not be "
                       f"appended; rendering this run with TRL's training template for it (rlcore/chat_templates)",
                       flush=True)
+        tool_suffix_ids(tok, [{"role": "tool", "name": "dummy", "content": "dummy"}])  # fails now, not mid-run
+    except ValueError as err:
+        raise ValueError(f"rollout.tools = {rollout_cfg.tools!r} with {model_dir}'s chat template: {err}") from None
     factory = load_environment_factory(rollout_cfg.environment_factory) if rollout_cfg.environment_factory else None
     return Toolbox([load_tool(name) for name in rollout_cfg.tools], factory)
 

@@ -17,8 +17,10 @@ bad arguments or a tool that raises, the parse error for a malformed call, and a
 for a call that ran past `timeout` seconds. `tool_suffix_ids` renders the tool messages as the chat
 template renders them between turns, with the next assistant header after them: the token ids to
 append to a sequence whose turn ended in tool calls. `ToolTurns` puts these together as the
-`end_of_turn` of a multi-turn rollout. A template that is not prefix-preserving (Qwen3's) cannot
-render them so; `training_chat_template` gives the template TRL swaps in for it.
+`end_of_turn` of a multi-turn rollout. A template that is not prefix-preserving (Qwen3's own)
+renders the earlier turn differently once tool messages follow, so no suffix can be cut from it;
+`training_chat_template` is the template TRL swaps in for it, as a run with tools does
+(setup.load_toolbox).
 """
 
 from __future__ import annotations
@@ -260,8 +262,8 @@ def tool_suffix_ids(tokenizer, messages: list[dict], chat_template: str | None =
     if full[:len(turn)] != turn:
         raise ValueError(f"the chat template renders an assistant turn differently once tool messages follow it "
                          f"({tokenizer.decode(turn)[-80:]!r} is not the start of {tokenizer.decode(full)[-160:]!r}), "
-                         f"so tool results cannot be appended to a sequence; rlcore swaps in TRL's training "
-                         f"template for the stock templates in rlcore/chat_templates, and this is none of them: "
+                         f"so tool results cannot be appended to a sequence; a run with tools swaps in TRL's "
+                         f"training template for the templates in rlcore/chat_templates (Qwen3's); for another, "
                          f"write a prefix-preserving one (as TRL's trl/chat_templates/*_training.jinja, e.g. "
                          f"qwen3_training.jinja) into the checkpoint's chat_template.jinja")
     return full[len(turn):]

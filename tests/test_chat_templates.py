@@ -75,6 +75,15 @@ def test_a_run_with_tools_renders_with_the_template_trl_chooses(tmp_path, capsys
     assert len(printed) == (0 if chosen is None else 1)
 
 
+def test_qwen3s_template_in_tokenizer_config_json_is_recognised_too(tmp_path):
+    """Qwen3 checkpoints on the Hub keep it there rather than in chat_template.jinja."""
+    path = qwen_checkpoint(tmp_path / "qwen3", (TRL_TEMPLATES / "qwen3.jinja").read_text(), template_in_config=True)
+    assert not (path / "chat_template.jinja").exists()
+    ours, ref = Tokenizer.from_dir(path), pytest.importorskip("transformers").AutoTokenizer.from_pretrained(path)
+    load_toolbox(RolloutArgs(tools=TOOLS), ours, path)
+    assert ours.chat_template == trl_chat_template(ref) == (TRL_TEMPLATES / "qwen3_training.jinja").read_text()
+
+
 @pytest.mark.parametrize("enable_thinking", [True, False])
 @pytest.mark.parametrize("contents", [["9"], ["9", "{'error': 'Tool subtract not found.'}"]])
 def test_with_qwen3s_template_tool_suffix_ids_equal_trls(tmp_path, enable_thinking, contents):
@@ -147,3 +156,6 @@ def test_a_run_with_tools_on_qwen3_renders_prompts_and_tool_results_as_trl(qwen3
          for name, content in [("subtract", str({"error": "Tool subtract not found."})), ("add", "5")] * 2]
     row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert row["tools/call_frequency"] == 0.5 and row["tools/failure_frequency"] == 0.5
+    # the checkpoint keeps the model's own template, as GRPOTrainer saves its processing_class's
+    (saved,) = run.glob("checkpoint-*/model/chat_template.jinja")
+    assert saved.read_text() == ref.chat_template == (TRL_TEMPLATES / "qwen3.jinja").read_text()
