@@ -25,8 +25,8 @@ from test_tools import TRL_TEMPLATES, add, checkpoint, describe
 import test_train_tools
 from test_train_tools import config, tool_calling_generate
 
-from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving  # noqa: E402
-from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
+from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving  # after
+from trl.trainer.grpo_trainer import GRPOTrainer  # test_tools' importorskip, which skips without TRL
 
 TOOLS = [f"{__name__}:add", f"{__name__}:describe"]
 # a history turn: Qwen3's own template renders it without <think></think>, the training template with
