@@ -17,11 +17,13 @@ does not exist; a call whose tool raises; two calls in one turn; a row that keep
 max_tool_calling_iterations; a row whose answer after a call is cut at max_completion_length; a row
 whose call ends its turn too close to max_completion_length for the result to fit.
 
-Where rlcore differs from TRL on purpose the script steps around it (rlcore/tool_calls.py, docs/
-environments.md): no row writes a malformed call (rlcore answers it with its error and counts a
-failure, TRL reads the turn as plain text and the conversation ends), and no turn is cut by
-max_completion_length after a complete call (TRL still parses, runs and counts that call before
-it drops the result, rlcore ends the row without running it). The tests at the end pin both.
+Where rlcore differs from TRL (docs/environments.md, "Differences from TRL") the script steps
+around it: no row writes a malformed call (rlcore answers it with its error and counts a failure,
+TRL reads the turn as plain text and the conversation ends: test_tools.py pins it), no turn is cut
+by max_completion_length after a complete call (TRL still parses, runs and counts that call before
+it drops the result; rlcore ends the row without running it), and the model's positions cover
+every sequence (TRL drops a tool result that would reach max_position_embeddings; rlcore only warns
+at setup). The last two tests pin these two.
 """
 
 import json
@@ -350,3 +352,49 @@ def test_the_loop_with_tools_trains_as_trls_grpo_trainer_on_the_same_model_outpu
         moved = want[name] - init[name]
         assert moved.abs().max() > 1e-3, name  # it trained
         assert (got[name] - init[name] - moved).norm() <= 1e-3 * moved.norm(), name
+
+
+def test_a_call_in_a_turn_max_completion_length_cuts_runs_in_trl_and_not_in_rlcore(model_dir, tmp_path, monkeypatch):
+    """The difference the script steps around (docs/environments.md): a turn cut at
+    max_completion_length whose text holds a complete call. TRL parses it, runs the call and counts
+    it, then drops the result (no room); rlcore ends the row at the cut, running nothing. The
+    sequences, masks and so the losses are the same; the tool ran, and tools/* count it, in TRL only."""
+    t = Turns(Tokenizer.from_dir(model_dir))
+    script = [[[t.cut(call("add", 8, 9))]] + [[t("Fine.")]] * (2 * G - 1)]  # row 0: T ids ending in a call
+    options = dict(max_steps=1, gradient_accumulation_steps=2)
+    CALLED.clear()
+    drawn, ours, _, rows, _ = run_rlcore(options, model_dir, script, tmp_path, monkeypatch)
+    assert CALLED == []
+    theirs, _, logs, _ = run_trl(options, model_dir, drawn, script, tmp_path, monkeypatch)
+    assert CALLED == [("add", 8, 9)]
+    assert ours == theirs and ours[0][1][0] == script[0][0][0]  # row 0 ends at the cut, either side
+    assert (rows[0]["tools/call_frequency"], logs[0]["tools/call_frequency"]) == (0.0, 1 / (2 * G))
+
+
+def test_a_tool_result_past_the_models_positions_is_appended_where_trl_drops_it(model_dir, tmp_path, monkeypatch):
+    """TRL drops a tool result that would take the sequence to the model's max_position_embeddings
+    (its generation backends stop there), as it drops one past max_completion_length; rlcore drops
+    only the latter (it warns at setup when a prompt + max_completion_length passes the model's
+    positions, and decodes on). Here prompt + call + result is past them: rlcore appends the result
+    and the answer after it, TRL ends the completion with the call. Both ran and counted the call."""
+    import shutil
+
+    from conftest import rewrite_config
+
+    t = Turns(Tokenizer.from_dir(model_dir))
+    script = [[[t(call("add", 2, 3)), t("5.")]] + [[t("Fine.")]] * (2 * G - 1)]
+    hf = transformers.AutoTokenizer.from_pretrained(model_dir)
+    longest = max(len(hf.apply_chat_template(row["prompt"], tools=TOOLS, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False))
+                  for row in map(json.loads, chat_data(tmp_path / "all.jsonl").read_text().splitlines()))
+    short = shutil.copytree(model_dir, tmp_path / "short")
+    rewrite_config(short, max_position_embeddings=longest + len(script[0][0][0]) + 10)  # the call fits, not its result
+    options = dict(max_steps=1, gradient_accumulation_steps=2)
+    with pytest.warns(UserWarning, match="max_position_embeddings"):  # rlcore's setup warning
+        drawn, ours, _, rows, _ = run_rlcore(options, short, script, tmp_path, monkeypatch)
+    theirs, _, logs, _ = run_trl(options, short, drawn, script, tmp_path, monkeypatch)
+    (_, completions, masks), (_, trl_completions, _) = ours[0], theirs[0]
+    assert completions[0][:len(script[0][0][0])] == trl_completions[0] == script[0][0][0]
+    assert tool_results(masks[0]) == 1 and completions[0][-len(script[0][0][1]):] == script[0][0][1]
+    assert completions[1:] == trl_completions[1:]
+    assert rows[0]["tools/call_frequency"] == logs[0]["tools/call_frequency"] == 1 / (2 * G)
