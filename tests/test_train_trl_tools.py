@@ -15,7 +15,8 @@ the tools' schemas; the micro-batch order is rlcore's, as in test_train_trl.py.
 The scripted rows: a correct call, then an answer; an answer without a call; a call to a tool that
 does not exist; a call whose tool raises; two calls in one turn; a row that keeps calling past
 max_tool_calling_iterations; a row whose answer after a call is cut at max_completion_length; a row
-whose call ends its turn too close to max_completion_length for the result to fit.
+whose call ends its turn too close to max_completion_length for the result to fit, and one whose
+result ends exactly there.
 
 Where rlcore differs from TRL (docs/environments.md, "Differences from TRL") the script steps
 around it: no row writes a malformed call (rlcore answers it with its error and counts a failure,
@@ -34,6 +35,7 @@ import torch
 from conftest import make_hf_model, toml_value, token_reward
 from rlcore.config import load_config
 from rlcore.tokenizer import Tokenizer
+from rlcore.tools import tool_suffix_ids
 from test_tokenizer import qwen2_pipeline_checkpoint
 from test_train_trl import MARGIN, Thresholds
 
@@ -93,7 +95,7 @@ def call(name: str, a: int, b: int) -> str:
 
 
 class Turns:
-    """The model's turns as token ids: text + EOS, or text cut at T without EOS."""
+    """The model's turns as token ids (`tok`: rlcore's Tokenizer): text + EOS, or text cut at T without EOS."""
 
     def __init__(self, tok):
         self.tok = tok
@@ -109,7 +111,10 @@ class Turns:
     def script(self) -> Script:
         t = self
         long = t.cut("and the end")  # T ids, no EOS
-        full = t.cut(call("add", 6, 7), T - 3) + [self.tok.eos_token_id]  # ends 2 ids before T
+        eos = self.tok.eos_token_id
+        full = t.cut(call("add", 6, 7), T - 3) + [eos]  # ends 2 ids before T
+        result = tool_suffix_ids(self.tok, [{"role": "tool", "name": "add", "content": "13"}])
+        exact = t.cut(call("add", 6, 7), T - len(result) - 1) + [eos]  # its result ends at T exactly
         first = [
             [t(call("add", 2, 3)), t("It is 5.")],                            # a call, then the answer
             [t("Five.")],                                                     # no call
@@ -127,15 +132,15 @@ class Turns:
             [t(call("multiply", 2, 2)), t(call("add", 2, 2)), t("4.")],       # unknown, then a good one
             [long],                                                           # cut at T, no call
             [t(call("add", 5, 5)), t("10.")],
-            [t("I will not call.")],
+            [exact, t("13.")],                                                # the result fills the rest
             [t(call("divide", 8, 2)), t("4.")],
         ]
         return [first, second]
 
 
 # the tool results each row of Turns.script gets (runs of 0 in its tool mask), and whether T cut it
-RESULTS = [[1, 0, 1, 1, 2, 0, 1, 0], [1, 2, 0, 2, 0, 1, 0, 1]]
-CUT = [[False] * 6 + [True, False], [False] * 4 + [True] + [False] * 3]
+RESULTS = [[1, 0, 1, 1, 2, 0, 1, 0], [1, 2, 0, 2, 0, 1, 1, 1]]
+CUT = [[False] * 6 + [True, False], [False] * 4 + [True, False, True, False]]
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +187,7 @@ def script_engine(monkeypatch, script: Script, pad: int):
 
     def sample(logits, temperature=1.0, *args, **kwargs):  # sampling.sample's returns
         tokens = state["tokens"]
-        logprobs = (logits / temperature).log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
+        logprobs = (logits / (temperature or 1.0)).log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
         return tokens, logprobs, None
 
     def generate(*args, **kwargs):
