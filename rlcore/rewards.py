@@ -112,11 +112,12 @@ def reward_inputs(rows: list[dict], texts: list[str], columns: list[str]) -> tup
     """(prompts, completions, columns) for the reward functions, as TRL passes them.
 
     A completion of a prompt given as chat messages becomes `[{"role": "assistant", "content":
-    text}]`. Every dataset column (`dataset_columns`) is passed, None where a row lacks it.
+    text}]`; one of several turns (tools) is already its list of messages. Every dataset column
+    (`dataset_columns`) is passed, None where a row lacks it.
     """
     prompts = [ex["prompt"] for ex in rows]
-    completions = [[{"role": "assistant", "content": text}] if isinstance(ex["prompt"], list) else text
-                   for ex, text in zip(rows, texts)]
+    completions = [[{"role": "assistant", "content": text}] if isinstance(ex["prompt"], list) and isinstance(text, str)
+                   else text for ex, text in zip(rows, texts)]
     return prompts, completions, {k: [ex.get(k) for ex in rows] for k in columns}
 
 

@@ -79,6 +79,18 @@ def parse_tool_calls(text: str, format: str, schemas: list[dict] | None = None) 
     return calls
 
 
+def assistant_message(text: str, format: str, calls: list[ToolCall]) -> dict:
+    """One assistant turn as TRL's parse_response gives it to reward functions: the text outside
+    the calls as `content` (Qwen's, stripped; Llama's turn is a call or text, not both) and the
+    calls that read as `tool_calls`."""
+    content = (QWEN_CALL.sub("", text).strip() if format == "qwen" else "") if calls else text
+    message = {"role": "assistant", "content": content}
+    if readable := [call for call in calls if call.error is None]:
+        message["tool_calls"] = [{"type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+                                 for call in readable]
+    return message
+
+
 def qwen_call(body: str, closed: str) -> ToolCall:
     """The call in one `<tool_call>` block: JSON {"name": ..., "arguments": {...}}."""
     if not closed:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlcore.rewards import _call, missing_attribute  # _call awaits an async function, as for rewards
-from rlcore.tool_calls import ToolCall, parse_tool_calls, tool_call_format
+from rlcore.tool_calls import ToolCall, assistant_message, parse_tool_calls, tool_call_format
 from rlcore.tool_schema import tool_schema
 
 NOT_TOOLS = ("reset", "get_reward")  # environment methods that are never tools (TRL's)
@@ -278,6 +278,7 @@ class ToolTurns:
 
     `environments` holds each row's environment (None for a toolbox without one); an environment
     whose call timed out leaves the toolbox's pool. `template_kwargs` reach the chat template.
+    `conversations` gives the finished completions as the reward functions get them (TRL's).
     """
 
     def __init__(self, toolbox: Toolbox, tokenizer, rows: int, environments: list[object] | None = None,
@@ -289,10 +290,16 @@ class ToolTurns:
         self.tools = [toolbox.tools_for(environment) for environment in self.environments]
         self.calls, self.failures, self.turns = [0] * rows, [0] * rows, [0] * rows
         self.turn_start = [0] * rows  # where each row's current turn begins in its completion
+        self.messages = [[] for _ in range(rows)]  # each row's finished turns: assistant, then tool messages
+        self.results = [0] * rows  # the tool messages of each row's latest turn
+
+    def turn(self, row: int, completion_ids: list[int]) -> tuple[str, list[ToolCall]]:
+        """The text of the row's current turn and the calls in it."""
+        text = self.tokenizer.decode(completion_ids[self.turn_start[row]:], skip_special_tokens=True)
+        return text, parse_tool_calls(text, self.format, self.toolbox.schemas)
 
     def __call__(self, row: int, completion_ids: list[int]) -> list[int] | None:
-        text = self.tokenizer.decode(completion_ids[self.turn_start[row]:], skip_special_tokens=True)
-        calls = parse_tool_calls(text, self.format, self.toolbox.schemas)
+        text, calls = self.turn(row, completion_ids)
         if not calls:
             return None
         results = run_tool_calls(calls, self.tools[row], self.timeout)
@@ -301,6 +308,25 @@ class ToolTurns:
         self.calls[row] += len(results)
         self.failures[row] += sum(result.failed for result in results)
         self.turns[row] += 1
-        suffix = tool_suffix_ids(self.tokenizer, tool_messages(results), self.chat_template, **self.template_kwargs)
+        messages = tool_messages(results)
+        self.messages[row] += [assistant_message(text, self.format, calls), *messages]
+        self.results[row] = len(messages)
+        suffix = tool_suffix_ids(self.tokenizer, messages, self.chat_template, **self.template_kwargs)
         self.turn_start[row] = len(completion_ids) + len(suffix)
         return suffix
+
+    def conversations(self, completion_ids: list[list[int]]) -> list[list[dict]]:
+        """Each row's completion as TRL hands it to reward functions: its assistant and tool
+        messages, then the last turn's assistant message (none when that turn is empty: its tool
+        results took the last of max_completion_length; calls it holds past the turn limit are
+        listed, not run). Results the engine dropped for want of room are left out, as in TRL."""
+        out = []
+        for row, ids in enumerate(completion_ids):
+            messages = self.messages[row]
+            if self.turn_start[row] > len(ids):  # the engine dropped the latest results
+                messages = messages[:len(messages) - self.results[row]]
+            elif len(ids) > self.turn_start[row]:
+                text, calls = self.turn(row, ids)
+                messages = messages + [assistant_message(text, self.format, calls)]
+            out.append(messages)
+        return out

@@ -20,7 +20,7 @@ import pytest
 from rlcore.tokenizer import Tokenizer
 from rlcore.tool_calls import ToolCall, parse_tool_calls, tool_call_format, typed_value
 from rlcore.tool_schema import ToolSchemaError, tool_schema
-from rlcore.tools import (Toolbox, environment_tools, load_environment_factory, load_tool, reset_environment,
+from rlcore.tools import (Toolbox, ToolTurns, environment_tools, load_environment_factory, load_tool, reset_environment,
                           run_tool_calls, tool_messages, tool_suffix_ids)
 from test_tokenizer import TEMPLATES, llama_checkpoint, qwen_checkpoint
 
@@ -423,11 +423,12 @@ def test_llama_calls_are_read_anywhere_in_the_turn_and_may_be_several():
 
 # ---- running calls: TRL's _tool_call_loop on the same turn ----------------------------------
 
-def trl_tool_round(ref, text: str, tools: list, chat_template: str | None) -> dict:
+def trl_tool_round(ref, text: str, tools: list, chat_template: str | None, after: str = "") -> dict:
     """One round of TRL's tool loop on a completion `text` whose calls it parses itself: the tool
     messages it appends, its call and failure counts, the completion ids with the tool results
-    appended, and the tool mask. Generation after the tools is replaced by an empty turn.
-    `chat_template` is the one TRL swaps in for training (None: the tokenizer's)."""
+    appended, the tool mask, and the completion as the reward functions get it. Generation after
+    the tools is replaced by the turn `after` ("": an empty one). `chat_template` is the one TRL
+    swaps in for training (None: the tokenizer's)."""
     add_response_schema(ref)
     prompt = list(PROMPT[1:])
     prompt_ids = ref.apply_chat_template(prompt, tools=tools, add_generation_prompt=True, tokenize=True,
@@ -441,10 +442,12 @@ def trl_tool_round(ref, text: str, tools: list, chat_template: str | None) -> di
         environment_factories=None, _tokenizer=ref, processing_class=ref, chat_template=chat_template,
         chat_template_kwargs={})
     trainer._get_tool_suffix_ids = lambda messages: GRPOTrainer._get_tool_suffix_ids(trainer, messages)
-    trainer._generate_single_turn = lambda ids, *args, **kwargs: ([[] for _ in ids], None)
+    after_ids = ref.encode(after, add_special_tokens=False)
+    trainer._generate_single_turn = lambda ids, *args, **kwargs: ([list(after_ids) for _ in ids], None)
     mask, completions, ids, _, calls, failures, _ = GRPOTrainer._tool_call_loop(
         trainer, [prompt], [prompt_ids], [completion_ids], [[parsed]], None, None, {})
-    return {"messages": completions[0][1:], "calls": calls, "failures": failures, "ids": ids[0], "mask": mask[0]}
+    return {"messages": completions[0][1:], "calls": calls, "failures": failures, "ids": ids[0], "mask": mask[0],
+            "completion": completions[0]}
 
 
 def ours_tool_round(ours, text: str, tools: list, chat_template: str | None) -> dict:
@@ -491,7 +494,30 @@ def test_a_tool_round_gives_trls_messages_counts_ids_and_tool_mask(tmp_path, cas
     ours, ref = checkpoint(tmp_path, template)
     chat_template = (TRL_TEMPLATES / "qwen3_training.jinja").read_text() if template == "qwen3" else None
     tools = [add, divide, describe]
-    assert ours_tool_round(ours, text, tools, chat_template) == trl_tool_round(ref, text, tools, chat_template)
+    trl_round = trl_tool_round(ref, text, tools, chat_template)
+    del trl_round["completion"]
+    assert ours_tool_round(ours, text, tools, chat_template) == trl_round
+
+
+@pytest.mark.parametrize("template, text", [("qwen2_5", QWEN_ROUNDS["results of several types"]),
+                                            ("qwen2_5", "Adding.\n" + QWEN_ROUNDS["unknown tool, bad arguments, a tool that raises"]),
+                                            ("llama3_1", LLAMA_ROUNDS["a result"])])
+@pytest.mark.parametrize("after", ["", "The sum is 9.", "Once more.\n<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": 2}}\n</tool_call>"])
+def test_reward_functions_get_the_completion_as_trls_messages(tmp_path, template, text, after):
+    """A completion of several turns reaches the reward functions as TRL gives it: the assistant
+    turn (its text outside the calls as content, the calls as tool_calls), the tool messages, and
+    the next turn's assistant message, none when that turn is empty; calls in a turn past the turn
+    limit are listed, not run."""
+    ours, ref = checkpoint(tmp_path, template)
+    tools, eos = [add, divide, describe], {"qwen2_5": "<|im_end|>", "llama3_1": "<|eot_id|>"}[template]
+    after = after + eos if after else ""
+    if template == "llama3_1" and "<tool_call>" in after:
+        after = '{"name": "add", "parameters": {"a": 1, "b": 2}}' + eos
+    expected = trl_tool_round(ref, text, tools, None, after)["completion"]
+    turns = ToolTurns(Toolbox(tools), ours, 1)
+    ids = ours.encode(text, add_special_tokens=False)
+    ids = ids + turns(0, ids) + ours.encode(after, add_special_tokens=False)
+    assert turns.conversations([ids]) == [expected]
 
 
 def test_a_malformed_call_is_answered_with_its_error_and_counted_as_a_failure():
