@@ -21,6 +21,7 @@ from rlcore.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from rlcore.setup import Run
     from rlcore.state import RunState
+    from rlcore.tools import ToolTurns
 
 
 def completion_token_ids(ro: rollout.Rollout) -> list[list[int]]:
@@ -35,9 +36,10 @@ def decode_completions(tok: Tokenizer, completion_ids: list[list[int]]) -> list[
 
 @dataclass
 class EvalRewards:
-    """The reward functions, for `evaluate`: their metric names (loss.reward_funcs), weights
-    (loss.reward_weights) and `score(prompts, completions, columns, completion_ids, logged)`,
-    which returns R [n, F] (score_completions') and appends log_metric values to `logged`."""
+    """The reward functions, for `evaluate`: their metric names (Run.reward_names), weights
+    (Run.reward_weights) and `score(prompts, completions, columns, completion_ids, logged,
+    environments)`, which returns R [n, F] (score_completions') and appends log_metric values to
+    `logged`."""
     names: list[str]
     weights: list[float]
     score: Callable[..., torch.Tensor]
@@ -46,7 +48,9 @@ class EvalRewards:
 @torch.no_grad()
 def evaluate(model: Transformer, tok: Tokenizer, examples: list[dict], accuracy_fn: Callable, max_new_tokens: int,
              batch_size: int = 128, rank: int = 0, world: int = 1, device: torch.device | None = None,
-             rewards: EvalRewards | None = None, stop_sequences: list[list[int]] = ()) -> dict:
+             rewards: EvalRewards | None = None, stop_sequences: list[list[int]] = (),
+             tool_turns: Callable[[list[dict]], tuple[list[list[int]], ToolTurns]] | None = None,
+             max_turns: int | None = None) -> dict:
     """Held-out metrics of greedy completions: `eval/accuracy`, the fraction of prompts whose
     greedy answer scores 1 (a prompt the accuracy function cannot score, None, counts as wrong),
     or None when it scores none of them (no held-out prompts, data.num_eval = 0, or none with an
@@ -56,27 +60,38 @@ def evaluate(model: Transformer, tok: Tokenizer, examples: list[dict], accuracy_
     log_metric name, each None when nothing was scored. A completion ends at EOS or at one of
     `stop_sequences` (token ids: the rollout's, rollout.stop). Each of the `world` ranks answers
     every world-th prompt; every rank must call it, and a reward function's failure on one rank
-    stops every rank. A long evaluation (a real model on CPU) says how many prompts rank 0 has done."""
+    stops every rank. With tools, `tool_turns(rows)` gives the rows' prompts and the rollout's
+    end_of_turn (Run.tool_turns), completions run over up to `max_turns` tool-calling turns, the
+    reward functions get them as messages (and `environments=`), and `eval/tools/used_frac` and
+    `eval/tools/call_frequency` say how often the greedy policy called a tool.
+    A long evaluation (a real model on CPU) says how many prompts rank 0 has done."""
     correct, scored, columns = 0.0, 0, dataset_columns(examples)
     mine, progress = examples[rank::world], Progress("held-out eval", enabled=rank == 0)
     share = f" (rank 0's share of {len(examples)})" if world > 1 else ""
     # [sum, count] of the weighted reward (column 0) and of each reward function's scores
     totals = torch.zeros(2, 1 + (len(rewards.names) if rewards else 0), dtype=torch.float64)
     weights = torch.tensor(rewards.weights if rewards else [], dtype=torch.float64)
-    logged, failure = defaultdict(list), None
+    logged, failure, used, calls = defaultdict(list), None, 0, 0
     for i in range(0, len(mine), batch_size):
         chunk = mine[i:i + batch_size]
-        ro = rollout.generate(model, [ex["prompt_ids"] for ex in chunk], 1, max_new_tokens,
-                      eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id, temperature=0.0,
-                      stop_sequences=stop_sequences)
+        prompts, turns = tool_turns(chunk) if tool_turns else ([ex["prompt_ids"] for ex in chunk], None)
+        ro = rollout.generate(model, prompts, 1, max_new_tokens,
+                              eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id, temperature=0.0,
+                              stop_sequences=stop_sequences,
+                              **({"end_of_turn": turns, "max_turns": max_turns} if turns else {}))
         completion_ids = completion_token_ids(ro)
-        prompts, completions, values = reward_inputs(chunk, decode_completions(tok, completion_ids), columns)
+        texts = turns.conversations(completion_ids) if turns else decode_completions(tok, completion_ids)
+        prompts, completions, values = reward_inputs(chunk, texts, columns)
         scores = accuracy_fn(prompts=prompts, completions=completions, **values)
         correct += sum(1.0 for s in scores if s is not None and s >= 1.0)
         scored += sum(s is not None for s in scores)
+        if turns:
+            used += sum(count > 0 for count in turns.calls)
+            calls += sum(turns.calls)
         if rewards:
             try:
-                R = rewards.score(prompts, completions, values, completion_ids, logged)
+                R = rewards.score(prompts, completions, values, completion_ids, logged,
+                                  turns.environments if turns else None)
             except (ValueError, TypeError, RuntimeError) as e:  # RewardFunctionError is a RuntimeError
                 failure = e
                 break  # the ranks raise it together below
@@ -88,8 +103,11 @@ def evaluate(model: Transformer, tok: Tokenizer, examples: list[dict], accuracy_
     if rewards:
         distributed.raise_together(failure, world)
         logged = distributed.concat_over_ranks(logged, world)
-    correct, scored, *flat = distributed.sum_over_ranks([correct, scored, *totals.flatten().tolist()], world, device)
+    correct, scored, used, calls, *flat = distributed.sum_over_ranks(
+        [correct, scored, used, calls, *totals.flatten().tolist()], world, device)
     out = {"eval/accuracy": correct / len(examples) if scored else None}
+    if tool_turns and examples:
+        out.update({"eval/tools/used_frac": used / len(examples), "eval/tools/call_frequency": calls / len(examples)})
     if rewards:
         means = [total / count if count else None for total, count in torch.tensor(flat).view(2, -1).T.tolist()]
         out["eval/reward/mean"] = means[0]
@@ -107,18 +125,21 @@ def held_out(run: Run, state: RunState) -> dict:
     run's progress (`trainer_state`) as at `state`."""
     cfg = run.cfg
 
-    def score(prompts, completions, values, completion_ids, logged) -> torch.Tensor:
+    def score(prompts, completions, values, completion_ids, logged, environments) -> torch.Tensor:
         reward_state = RewardState(state.step, run.geometry.max_steps, state.data_pos / len(run.train_set),
                                    cfg.train.num_train_epochs)
         reward_kwargs = reward_extras(  # completions.jsonl holds the rounds' log_extra columns only
             completion_ids, reward_state, log_metric=lambda name, value: logged[name].append(float(value)),
             log_extra=lambda column, values: None)
+        if environments is not None and environments[0] is not None:
+            reward_kwargs["environments"] = environments
         return score_completions(run.reward_funcs, prompts, completions, values, cfg.loss.reward_on_error,
                                  reward_kwargs)
 
-    rewards = EvalRewards(cfg.loss.reward_funcs, cfg.loss.reward_weights or [1.0] * len(run.reward_funcs), score)
+    rewards = EvalRewards(run.reward_names, run.reward_weights or [1.0] * len(run.reward_funcs), score)
     run.model.eval()  # greedy completions of the policy without LoRA dropout
     with run.generating() as policy:  # under FSDP a plain copy, its full weights gathered once
         return evaluate(policy, run.tok, run.eval_set, run.accuracy_fn, cfg.train.eval_max_completion_length,
                         rank=run.rank, world=run.world, device=run.device, rewards=rewards,
-                        stop_sequences=run.stop_sequences)
+                        stop_sequences=run.stop_sequences, tool_turns=run.tool_turns if run.toolbox else None,
+                        max_turns=cfg.rollout.max_tool_calling_iterations)

@@ -71,8 +71,10 @@ class Progress:
 
 def log_line(step: int, max_steps: int, m: dict) -> str:
     """The progress line: kl_old is the policy's KL to the rollout policy (k3; 0 on-policy),
-    kl_ref (with beta > 0) to the reference model, TRL's `kl`."""
+    kl_ref (with beta > 0) to the reference model, TRL's `kl`; with tools, the fraction of
+    completions that called one."""
     clip = f"clip {m['clip_ratio/region']:.3f}  " if "clip_ratio/region" in m else ""  # ppo only
+    clip += f"tools {m['tools/used_frac']:.3f}  " if "tools/used_frac" in m else ""
     kl_ref = f"kl_ref {m['kl_ref']:.4f}  " if m.get("kl_ref") is not None else ""
     acc = "-" if m["reward/accuracy"] is None else f"{m['reward/accuracy']:.3f}"  # None: no answers to check
     return (f"step {step:>4}/{max_steps}  reward {m['reward/mean']:.3f}  acc {acc}  "
@@ -83,15 +85,15 @@ def log_line(step: int, max_steps: int, m: dict) -> str:
 
 def record_eval(run: Path, step: int, held_out: dict) -> None:
     """Append `evaluate`'s metrics at `step` to run/eval.jsonl (step 0 = before training), those
-    that are not None, and print the accuracy and reward; nothing when all are None (no held-out
+    that are not None, and print the accuracy, reward and tool use; nothing when all are None (no held-out
     prompt could be scored)."""
     row = {key: value for key, value in held_out.items() if value is not None}
     if not row:
         return
     with open(run / "eval.jsonl", "a") as f:
         f.write(json.dumps({"step": step, **row}) + "\n")
-    said = [f"{what} {row[key]:.3f}" for what, key in (("accuracy", "eval/accuracy"), ("reward", "eval/reward/mean"))
-            if key in row]
+    said = [f"{what} {row[key]:.3f}" for what, key in (("accuracy", "eval/accuracy"), ("reward", "eval/reward/mean"),
+                                                       ("tool use", "eval/tools/used_frac")) if key in row]
     print(f"step {step}: held-out " + ", ".join(said), flush=True)
 
 

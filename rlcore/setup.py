@@ -22,8 +22,8 @@ import torch
 from rlcore import RlcoreWarning, distributed, sharding
 from rlcore.checkpoint import CheckpointError, check_model_dir, load_model, resolve_dtype
 from rlcore.config import EMBEDDED_MODEL_PATHS, RUN_CONFIG_HEADER, Config, dump_config, with_absolute_paths
-from rlcore.data import encode_prompts, load_examples
-from rlcore.embedded import build_embedded_model, cache_dir_name, why_a_model_of_its_own
+from rlcore.data import encode_prompts, format_prompt, load_examples
+from rlcore.embedded import EMBEDDED_TASKS, build_embedded_model, cache_dir_name, why_a_model_of_its_own
 from rlcore.geometry import Geometry
 from rlcore.model import Transformer, weight_layout_difference
 from rlcore.lora import apply_lora, keep_as_reference, load_adapter, reference_adapters, set_dropout
@@ -34,8 +34,8 @@ from rlcore.rundir import (changed_data, check_new_run_dir, check_resumed_model,
 from rlcore.tasks import TASK_REWARD, unique_problems
 from rlcore.tokenizer import Tokenizer, check_vocab_fits
 from rlcore.tool_calls import tool_call_format
-from rlcore.tools import (Toolbox, is_prefix_preserving, load_environment_factory, load_tool, tool_suffix_ids,
-                          training_chat_template)
+from rlcore.tools import (Toolbox, ToolTurns, is_prefix_preserving, load_environment_factory, load_tool,
+                          reset_environment, tool_suffix_ids, training_chat_template)
 from rlcore.validation import validate, warn_bf16_weights
 
 
@@ -135,18 +135,20 @@ def embedded_model_dir(cfg: Config, rank: int = 0, world: int = 1) -> Path:
     """
     d = cfg.data
     cache = Path(os.environ.get("RLCORE_CACHE", Path.home() / ".cache" / "rlcore"))
-    where = cache / cache_dir_name(d.seed, d.num_eval)
-    if d.task != "arithmetic":
-        raise ValueError(f"the embedded model is built for data.task = 'arithmetic', not {d.task!r}; set model.path "
-                         f"to a Hugging Face checkpoint directory for other tasks (the embedded model, once built, is "
-                         f"one: --set model.path={where} trains it on a task its character tokenizer can write)")
-    pool = unique_problems("arithmetic", 10**6, d.seed)[d.num_eval:]  # everything but the eval set
+    if d.task not in EMBEDDED_TASKS:
+        where = cache / cache_dir_name(d.seed, d.num_eval)
+        raise ValueError(f"the embedded models are built for data.task = {' or '.join(map(repr, EMBEDDED_TASKS))}, "
+                         f"not {d.task!r}; set model.path to a Hugging Face checkpoint directory for other tasks (the "
+                         f"embedded model, once built, is one: --set model.path={where} trains it on a task its "
+                         f"character tokenizer can write)")
+    where = cache / cache_dir_name(d.seed, d.num_eval, d.task)
+    pool = unique_problems(d.task, 10**6, d.seed)[d.num_eval:]  # everything but the eval set
     local = int(os.environ.get("LOCAL_RANK", rank))  # torchrun: the rank on this machine (its cache may be its own)
     if local != 0:
         distributed.barrier(world)
-    elif why := why_a_model_of_its_own(cache, d.seed, d.num_eval):
+    elif d.task == "arithmetic" and (why := why_a_model_of_its_own(cache, d.seed, d.num_eval)):
         print(why, flush=True)
-    path = build_embedded_model(where, pool)
+    path = build_embedded_model(where, pool, task=d.task)
     if local == 0:
         distributed.barrier(world)
     return path
@@ -185,6 +187,8 @@ class Run:
     train_set: list[dict]  # examples with their prompt_ids
     eval_set: list[dict]
     reward_funcs: list[Callable]
+    reward_names: list[str]  # loss.reward_funcs, then the environment's class when it scores (get_reward)
+    reward_weights: list[float] | None  # loss.reward_weights, and 1.0 for the environment's reward (TRL's)
     columns: list[str]  # dataset columns passed to every reward call
     accuracy_fn: Callable  # the task's accuracy, for the held-out evaluation and reward/accuracy
     answer_column: str
@@ -218,6 +222,29 @@ class Run:
         else:
             with self.engine.gathered(self.model) as model:
                 yield model
+
+    def tool_turns(self, rows: list[dict]) -> tuple[list[list[int]], ToolTurns]:
+        """The prompts and the end_of_turn of a rollout with tools: with an environment factory,
+        one environment per row, reset on it, its prompt re-rendered when reset returned text to
+        append."""
+        data_cfg, toolbox = self.cfg.data, self.toolbox
+        prompts, environments = [row["prompt_ids"] for row in rows], None
+        if toolbox.environment_factory is not None:
+            environments = toolbox.environments(len(rows))
+            for i, (row, environment) in enumerate(zip(rows, environments)):
+                prompt = reset_environment(environment, row)
+                if prompt is not row["prompt"]:
+                    prompts[i] = format_prompt({**row, "prompt": prompt}, self.tok, data_cfg.system_prompt,
+                                               data_cfg.use_chat_template, data_cfg.chat_template_kwargs,
+                                               toolbox.schemas)
+                    if len(prompts[i]) > data_cfg.max_prompt_length:
+                        raise ValueError(f"the prompt {str(row['prompt'])[:60]!r} is {len(prompts[i])} tokens with "
+                                         f"the text {type(environment).__name__}.reset appended, over "
+                                         f"data.max_prompt_length = {data_cfg.max_prompt_length}; raise it or return "
+                                         f"shorter text from reset")
+        turns = ToolTurns(toolbox, self.tok, len(rows), environments, timeout=self.cfg.rollout.tool_timeout,
+                          **data_cfg.chat_template_kwargs)
+        return prompts, turns
 
     @contextlib.contextmanager
     def reference(self):
@@ -286,12 +313,22 @@ def setup(cfg: Config, resume: str | os.PathLike | None = None) -> Run:
     answer_column = cfg.data.answer_column if cfg.data.task == "jsonl" else "answer"  # synthetic tasks': answer
     reward_funcs = get_reward_funcs(loss_cfg.reward_funcs, answer_column)
     columns = dataset_columns(train_set)  # passed to every reward call, None where a row lacks one
-    check_reward_funcs(reward_funcs, ["prompts", "completions", *REWARD_EXTRAS, *columns])
+    environments = ["environments"] if cfg.rollout.environment_factory else []  # TRL passes them to every call
+    check_reward_funcs(reward_funcs, ["prompts", "completions", *REWARD_EXTRAS, *environments, *columns])
     model_dir = (Path(cfg.model.path) if cfg.model.path not in EMBEDDED_MODEL_PATHS
                  else embedded_model_dir(cfg, rank, world))
     check_model_dir(model_dir)  # before its tokenizer: an rlcore checkpoint or a LoRA adapter is named as such
     tok = Tokenizer.from_dir(model_dir)
     toolbox = load_toolbox(rollout_cfg, tok, model_dir, main)  # before a model loads, as the reward functions
+    reward_names, reward_weights = list(loss_cfg.reward_funcs), loss_cfg.reward_weights
+    if toolbox and toolbox.reward_name:  # an environment that scores its rollouts is one more reward (TRL)
+        reward_funcs.append(toolbox.rewards)
+        reward_names.append(toolbox.reward_name)
+        reward_weights = reward_weights and [*reward_weights, 1.0]
+    if not reward_funcs:
+        raise ValueError(f"loss.reward_funcs = [] and rollout.environment_factory = {rollout_cfg.environment_factory!r} "
+                         f"has no get_reward method: nothing scores the completions; name a reward function in "
+                         f"loss.reward_funcs or give the environment get_reward(self) -> float")
     checkpoint = latest_checkpoint(Path(resume)) if resume else None
     # read before anything is written: a wrong rank count changes nothing
     saved_state = load_trainer_state(checkpoint) if checkpoint else None
@@ -376,7 +413,8 @@ def setup(cfg: Config, resume: str | os.PathLike | None = None) -> Run:
     opt = adamw(model, train_cfg)
     schedule = lr_lambda(cfg, max_steps)
     return Run(cfg=cfg, rank=rank, world=world, device=device, dir=run, model_dir=model_dir, tok=tok, model=model,
-               ref=ref, train_set=train_set, eval_set=eval_set, reward_funcs=reward_funcs, columns=columns,
+               ref=ref, train_set=train_set, eval_set=eval_set, reward_funcs=reward_funcs, reward_names=reward_names,
+               reward_weights=reward_weights, columns=columns,
                accuracy_fn=accuracy_fn, answer_column=answer_column, stop_sequences=stop_sequences,
                geometry=geometry, opt=opt, sched=torch.optim.lr_scheduler.LambdaLR(opt, schedule), schedule=schedule,
                checkpoint=checkpoint, saved_state=saved_state, engine=engine, toolbox=toolbox)

@@ -41,7 +41,6 @@ from torch.amp import GradScaler
 
 from rlcore import RlcoreWarning, distributed, rollout, sharding
 from rlcore.config import Config
-from rlcore.data import format_prompt
 from rlcore.evaluation import completion_token_ids, decode_completions, held_out
 from rlcore.forward import SharedPrompts, completion_logprobs, pack
 from rlcore.losses.advantages import compute_advantages
@@ -57,7 +56,7 @@ from rlcore.runlog import (Progress, add_reward_metrics, log_completions, log_li
                            reduce_metrics, write_row)
 from rlcore.setup import Run, setup
 from rlcore.state import RunState
-from rlcore.tools import ToolTurns, reset_environment
+from rlcore.tools import ToolTurns
 
 
 def clock(device: torch.device) -> float:
@@ -141,33 +140,12 @@ def save(run: Run, state: RunState, at: dict) -> None:
                         run.ref if synced else None)
 
 
-def tool_turns(run: Run, rows: list[dict]) -> tuple[list[list[int]], ToolTurns]:
-    """The prompts and the end_of_turn of a rollout with tools: with an environment factory, one
-    environment per row, reset on it, its prompt re-rendered when reset returned text to append."""
-    data_cfg, toolbox = run.cfg.data, run.toolbox
-    prompts, environments = [row["prompt_ids"] for row in rows], None
-    if toolbox.environment_factory is not None:
-        environments = toolbox.environments(len(rows))
-        for i, (row, environment) in enumerate(zip(rows, environments)):
-            prompt = reset_environment(environment, row)
-            if prompt is not row["prompt"]:
-                prompts[i] = format_prompt({**row, "prompt": prompt}, run.tok, data_cfg.system_prompt,
-                                           data_cfg.use_chat_template, data_cfg.chat_template_kwargs, toolbox.schemas)
-                if len(prompts[i]) > data_cfg.max_prompt_length:
-                    raise ValueError(f"the prompt {str(row['prompt'])[:60]!r} is {len(prompts[i])} tokens with the "
-                                     f"text {type(environment).__name__}.reset appended, over data.max_prompt_length "
-                                     f"= {data_cfg.max_prompt_length}; raise it or return shorter text from reset")
-    turns = ToolTurns(toolbox, run.tok, len(rows), environments, timeout=run.cfg.rollout.tool_timeout,
-                      **data_cfg.chat_template_kwargs)
-    return prompts, turns
-
-
 def sample_round(run: Run, state: RunState, rows: list[dict]) -> tuple[rollout.Rollout, ToolTurns | None]:
     """Sample one completion for each of this rank's `rows` (each prompt already repeated G times,
     so a group may straddle two ranks), with the run's sampling options and RNG; with tools, over
     several turns, and the ToolTurns that counted the calls (else None)."""
     rollout_cfg = run.cfg.rollout
-    prompts, turns = tool_turns(run, rows) if run.toolbox else ([row["prompt_ids"] for row in rows], None)
+    prompts, turns = run.tool_turns(rows) if run.toolbox else ([row["prompt_ids"] for row in rows], None)
     run.model.eval()  # no LoRA dropout while sampling, nor in the old and ref passes that follow
     progress = Progress(f"step {state.step + 1} rollout", enabled=run.main)  # a real model on CPU: minutes
     rows_label = f"{len(rows)} completions" + (" on rank 0" if run.world > 1 else "")
@@ -210,15 +188,15 @@ class RoundScores:
 
 
 def score_round(run: Run, state: RunState, rows: list[dict], completion_ids: list[list[int]], round_no: int,
-                round_start: dict, saved: int, environments: list | None = None) -> RoundScores:
+                round_start: dict, saved: int, turns: ToolTurns | None = None) -> RoundScores:
     """Call the reward functions on this rank's rows, then gather every rank's scores and compute
     the group-normalised advantages over the whole round (SPEC 2). A reward function that fails on
     any rank stops every rank; the round has changed no weight yet, so its start (`round_start`) is
-    checkpointed first when no checkpoint holds the steps taken since `saved`. `environments`, one
-    per row with an environment factory, reach the reward functions as TRL's `environments=`."""
+    checkpointed first when no checkpoint holds the steps taken since `saved`. With tools (`turns`)
+    each completion is its messages, and the rows' environments are TRL's `environments=`."""
     cfg, world, device, n = run.cfg, run.world, run.device, run.geometry.completions_per_rank
     loss_cfg, N, G = cfg.loss, run.geometry.completions_per_round, run.geometry.G
-    texts = decode_completions(run.tok, completion_ids)
+    texts = turns.conversations(completion_ids) if turns else decode_completions(run.tok, completion_ids)
     prompts, completions, column_values = reward_inputs(rows, texts, run.columns)
     logged, extra_columns = defaultdict(list), {}  # what reward functions report (log_metric, log_extra)
     reward_state = RewardState(state.step, run.geometry.max_steps, (state.data_pos - N // G) / len(run.train_set),
@@ -226,8 +204,8 @@ def score_round(run: Run, state: RunState, rows: list[dict], completion_ids: lis
     reward_kwargs = reward_extras(
         completion_ids, reward_state, log_metric=lambda name, value: logged[name].append(float(value)),
         log_extra=lambda column, values: extra_columns.setdefault(column, []).extend(values))
-    if environments is not None:
-        reward_kwargs["environments"] = environments
+    if turns and run.toolbox.environment_factory is not None:
+        reward_kwargs["environments"] = turns.environments
     R = failure = None
     try:  # a failure on one rank's rows stops every rank with it (else the others wait at the next all-gather)
         R = score_completions(run.reward_funcs, prompts, completions, column_values, loss_cfg.reward_on_error,
@@ -246,8 +224,8 @@ def score_round(run: Run, state: RunState, rows: list[dict], completion_ids: lis
         warnings.warn(f"no reward function scored any completion of round {round_no} (all returned None or "
                       f"NaN), so every advantage is 0 and its steps learn nothing; check loss.reward_funcs and "
                       f"the columns they need (data.answer_column)", RlcoreWarning, stacklevel=3)
-    advantages, reward_stats = compute_advantages(R, G, loss_cfg.reward_weights, loss_cfg.scale_rewards,
-                                                  reward_names=loss_cfg.reward_funcs,
+    advantages, reward_stats = compute_advantages(R, G, run.reward_weights, loss_cfg.scale_rewards,
+                                                  reward_names=run.reward_names,
                                                   multi_objective_aggregation=loss_cfg.multi_objective_aggregation)
     acc = run.accuracy_fn(prompts=prompts, completions=completions, **column_values)
     acc = distributed.gather_rows(torch.tensor([math.nan if a is None else float(a) for a in acc], device=device),
@@ -324,8 +302,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
         # 2. Rewards and advantages, over the whole round (all ranks) before it is cut up.
         t0 = clock(device)
         completion_ids = completion_token_ids(ro)
-        scores = score_round(run, state, rows, completion_ids, round_no, round_start, saved,
-                             turns.environments if turns and run.toolbox.environment_factory else None)
+        scores = score_round(run, state, rows, completion_ids, round_no, round_start, saved, turns)
         adv = scores.advantages[mine]
 
         # The round as training tensors: prompt (left-padded) + completion (right-padded): ids and attn
@@ -358,7 +335,7 @@ def train(cfg: Config, resume: str | os.PathLike | None = None) -> dict:
             texts = distributed.gather_objects((scores.prompts, scores.completions, scores.extra_columns), world)
             if main:
                 log_completions(run_dir, state.step + 1, texts, scores.rewards, scores.advantages, every_length,
-                                loss_cfg.reward_funcs, train_cfg.num_completions_to_print)
+                                run.reward_names, train_cfg.num_completions_to_print)
         t_score = clock(device) - t0
 
         # 3. old log-probs only when the round is off-policy (or TIS needs them); ref only if beta.

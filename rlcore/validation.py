@@ -182,8 +182,8 @@ def validate(config: Config, world_size: int = 1) -> None:
     need(loss.num_iterations >= 1, f"loss.num_iterations = {loss.num_iterations} must be >= 1")
     need(0 <= loss.tis_min < loss.tis_max, f"loss.tis_min = {loss.tis_min}, loss.tis_max = {loss.tis_max}: "
          f"need 0 <= tis_min < tis_max")
-    need(len(loss.reward_funcs) >= 1, "loss.reward_funcs = [] names no reward function; e.g. "
-         "--set loss.reward_funcs='[\"accuracy\"]'")
+    need(len(loss.reward_funcs) >= 1 or rollout.environment_factory is not None,  # whose get_reward may score
+         "loss.reward_funcs = [] names no reward function; e.g. --set loss.reward_funcs='[\"accuracy\"]'")
     need(loss.reward_weights is None or len(loss.reward_weights) == len(loss.reward_funcs),
          f"loss.reward_weights = {loss.reward_weights} has {len(loss.reward_weights or [])} weight(s) but "
          f"loss.reward_funcs = {loss.reward_funcs} has {len(loss.reward_funcs)} function(s); give one "

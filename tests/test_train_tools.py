@@ -15,6 +15,7 @@ import rlcore.train
 from rlcore import ConfigError
 from rlcore.cli import DEFAULT_CONFIG
 from rlcore.config import load_config
+from rlcore.data import load_examples
 from rlcore.options import RolloutArgs
 from rlcore.setup import load_toolbox
 from rlcore.tokenizer import Tokenizer
@@ -64,13 +65,13 @@ def call(name: str) -> str:
 def tool_calling_generate(tok: Tokenizer, record: list):
     """A stand-in for rollout.generate: row i's first turn calls `add` (i % 4 == 2), an unknown tool
     (i % 4 == 0) or nothing (odd i); a row that called gets end_of_turn's ids, then a second turn
-    "5" + EOS. The held-out evaluation's calls go to the engine. Records (completion, the model's
-    own token count, the tool-result ids, the tool mask) per row."""
+    "5" + EOS. The held-out evaluation's calls (greedy) go to the engine. Records (completion, the
+    model's own token count, the tool-result ids, the tool mask) per row."""
     eos, real = tok.eos_token_ids[0], rlcore.rollout.generate
 
     def generate(model, prompts, *args, end_of_turn=None, max_turns=None, **kwargs):
-        if end_of_turn is None:  # the held-out evaluation samples for real
-            return real(model, prompts, *args, **kwargs)
+        if kwargs["temperature"] == 0.0:  # the held-out evaluation decodes for real
+            return real(model, prompts, *args, end_of_turn=end_of_turn, max_turns=max_turns, **kwargs)
         completions, masks = [], []
         for row in range(len(prompts)):
             text = {0: call("subtract"), 2: call("add")}.get(row % 4, "no call")
@@ -170,10 +171,12 @@ def test_a_sampled_run_with_tools_decodes_through_end_of_turn(model_dir, tmp_pat
     monkeypatch.setattr(rlcore.rollout, "generate", generate)
     run = tmp_path / "run"
     train(config(model_dir, run, "rollout.max_tool_calling_iterations=2"))
-    turns = [end_of_turn for end_of_turn in calls if end_of_turn is not None]  # the evaluations pass none
-    assert len(turns) == 1 and isinstance(turns[0], rlcore.train.ToolTurns)
+    # the held-out evaluation before and after training, and the round, each with tool turns
+    assert len(calls) == 3 and all(isinstance(turns, rlcore.train.ToolTurns) for turns in calls)
     row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert {"tools/call_frequency", "tools/failure_frequency", "tools/turns", "tools/used_frac"} <= set(row)
+    evaluations = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert all({"eval/tools/used_frac", "eval/tools/call_frequency"} <= set(e) for e in evaluations)
 
 
 class Counter:
@@ -204,21 +207,20 @@ def chat_data(tmp_path) -> Path:
 REWARDED = []  # the environments environment_reward was given, per call
 
 
-def environment_reward(completions, environments=None, **kwargs):
-    """The environments' counters; the held-out evaluation runs no environment (None)."""
-    REWARDED.append(environments)
-    if environments is None:
-        return [0.0] * len(completions)
+def environment_reward(completions, environments, **kwargs):
+    """The environments' counters."""
+    REWARDED.append(list(environments))
     return [float(environment.total) for environment in environments]
 
 
 def test_each_completion_gets_a_reset_environment_and_its_prompt(model_dir, tmp_path, monkeypatch):
     data = chat_data(tmp_path)
+    REWARDED.clear()
     tok, record, seen = Tokenizer.from_dir(model_dir), [], []
     fake = tool_calling_generate(tok, record)
 
     def generate(model, prompts, *args, end_of_turn=None, **kwargs):
-        if end_of_turn is not None:
+        if kwargs["temperature"] != 0.0:  # the round, not a held-out evaluation
             seen.append((prompts, end_of_turn))
         return fake(model, prompts, *args, end_of_turn=end_of_turn, **kwargs)
 
@@ -232,8 +234,66 @@ def test_each_completion_gets_a_reset_environment_and_its_prompt(model_dir, tmp_
     assert all(isinstance(environment, Counter) for environment in environments)
     text = tok.decode(prompts[0])
     assert "Use the counter." in text and '"name": "bump"' in text and '"name": "add"' in text
-    # the reward functions get the rows' environments (TRL's environments=); the evaluations, None
-    assert [given for given in REWARDED if given is not None] == [environments]
+    # the reward functions get the rows' environments (TRL's environments=); each held-out evaluation
+    # gets its 4 prompts' own, from the same pool, reset for them
+    assert REWARDED == [environments[:4], environments, environments[:4]]
+
+
+class Scored(Counter):
+    """An environment that scores its rollouts (TRL's get_reward): the number its prompt counts to."""
+
+    def reset(self, **row) -> None:
+        self.total, self.target = 0, float(row["answer"])
+
+    def get_reward(self) -> float:
+        return self.target + self.total
+
+
+def test_an_environment_s_get_reward_is_one_more_reward_of_weight_1_named_after_its_class(
+        model_dir, tmp_path, monkeypatch):
+    """As TRL: get_reward's scores are a reward column named after the class, weighted 1 after
+    loss.reward_weights, in the advantages, the metrics and the held-out evaluation."""
+    monkeypatch.setattr(rlcore.rollout, "generate", tool_calling_generate(Tokenizer.from_dir(model_dir), []))
+    run = tmp_path / "run"
+    cfg = config(model_dir, run, "data.task=jsonl", f"data.path={chat_data(tmp_path)}", "train.log_completions=true",
+                 f"rollout.environment_factory={__name__}:Scored", "loss.reward_weights=[2.0]")
+    held_out = [float(row["answer"]) for row in load_examples(cfg.data)[1]]
+    train(cfg)
+    records = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    for record in records:  # the prompt "Count to i." scores i; no row calls bump
+        assert record["rewards"]["Scored"] == float(record["prompt"][0]["content"].split()[-1].rstrip("."))
+    row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    weighted = [2.0 * record["rewards"]["conftest:token_reward"] + record["rewards"]["Scored"] for record in records]
+    assert row["reward/Scored/mean"] == pytest.approx(sum(r["rewards"]["Scored"] for r in records) / len(records))
+    assert row["reward/mean"] == pytest.approx(sum(weighted) / len(weighted))
+    evaluation = json.loads((run / "eval.jsonl").read_text().splitlines()[0])
+    assert evaluation["eval/reward/Scored/mean"] == pytest.approx(sum(held_out) / len(held_out))
+
+
+def test_an_environment_that_scores_is_reward_enough_and_one_that_does_not_is_an_error(
+        model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(rlcore.rollout, "generate", tool_calling_generate(Tokenizer.from_dir(model_dir), []))
+    data = chat_data(tmp_path)
+    run = tmp_path / "run"
+    train(config(model_dir, run, "data.task=jsonl", f"data.path={data}", f"rollout.environment_factory={__name__}:Scored",
+                 "loss.reward_funcs=[]"))
+    assert "reward/Scored/mean" in json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    with pytest.raises(ValueError, match="has no get_reward method: nothing scores the completions"):
+        train(config(model_dir, tmp_path / "other", "data.task=jsonl", f"data.path={data}",
+                     f"rollout.environment_factory={__name__}:Counter", "loss.reward_funcs=[]"))
+
+
+def test_reward_functions_get_a_completion_of_several_turns_as_its_messages(model_dir, tmp_path, monkeypatch):
+    """TRL's shape: the assistant turn with its tool_calls, the tool message, the final turn."""
+    monkeypatch.setattr(rlcore.rollout, "generate", tool_calling_generate(Tokenizer.from_dir(model_dir), []))
+    run = tmp_path / "run"
+    train(config(model_dir, run, "train.log_completions=true"))
+    records = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    called = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+    assert records[2]["completion"] == [{"role": "assistant", "content": "", "tool_calls": [called]},
+                                        {"role": "tool", "name": "add", "content": "5"},
+                                        {"role": "assistant", "content": "5"}]
+    assert records[1]["completion"] == [{"role": "assistant", "content": "no call"}]
 
 
 class Verbose(Counter):
