@@ -18,8 +18,10 @@ from rlcore.model import Transformer
 
 def sft(model: Transformer, prompts: list[list[int]], completions: list[list[int]], *,
         pad_id: int, steps: int, batch_size: int, lr: float, seed: int = 0,
-        log_every: int = 50) -> list[float]:
-    """Train `model` in place for `steps` AdamW steps (cosine LR); returns the loss per step."""
+        log_every: int = 50, masks: list[list[int]] | None = None) -> list[float]:
+    """Train `model` in place for `steps` AdamW steps (cosine LR); returns the loss per step.
+    `masks` (1 = trained on), one per completion, leave tokens the model does not write (tool
+    results) out of the loss; None trains on every completion token."""
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
@@ -30,6 +32,9 @@ def sft(model: Transformer, prompts: list[list[int]], completions: list[list[int
         rows = torch.randint(len(prompts), (batch_size,), generator=g).tolist()
         ids, attn, cids, cmask, Lp = pack([prompts[i] for i in rows], [completions[i] for i in rows], pad_id)
         logp, _ = completion_logprobs(model, ids.to(device), attn, Lp, cids.to(device))
+        if masks is not None:
+            for j, i in enumerate(rows):
+                cmask[j, :len(masks[i])] *= torch.tensor(masks[i], dtype=cmask.dtype)
         cmask = cmask.to(device)
         loss = -(logp * cmask).sum() / cmask.sum()
         opt.zero_grad(set_to_none=True)

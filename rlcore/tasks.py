@@ -5,6 +5,8 @@ character) can learn them on a CPU in minutes.
 
 - `arithmetic`: `"27+35="` -> `"62"`; operands 0..49, addition (subtraction available, never negative).
   Scored by the `accuracy` reward (answers.py).
+- `multiplication`: `"37*482"` -> `"17834"`; a two-digit times a three-digit number, which the tiny
+  model cannot do by heart: the task of the embedded tool run, with `calculator` as its tool.
 - `countdown`: `"Make 14 from 2 3 4:"` -> an expression such as `"(3+4)*2"` that uses each number
   once with + - * / and equals the target. Many expressions are right; `answer` is one of them.
   Scored by the `countdown` reward (answers.py), which evaluates the expression safely (no `eval`).
@@ -19,9 +21,11 @@ from __future__ import annotations
 import random
 from fractions import Fraction
 
-TASKS = ("arithmetic", "countdown")
+from rlcore.answers import evaluate_expression
+
+TASKS = ("arithmetic", "countdown", "multiplication")
 # The reward that decides whether an answer is right (held-out accuracy), per data.task.
-TASK_REWARD = {"arithmetic": "accuracy", "countdown": "countdown", "jsonl": "accuracy"}
+TASK_REWARD = {"arithmetic": "accuracy", "countdown": "countdown", "multiplication": "accuracy", "jsonl": "accuracy"}
 
 
 def arithmetic_problems(rng: random.Random, max_operand: int = 49, ops: str = "+") -> list[dict]:
@@ -37,6 +41,26 @@ def arithmetic_problems(rng: random.Random, max_operand: int = 49, ops: str = "+
                 problems.append({"prompt": f"{a}-{b}=", "answer": str(a - b), "a": a, "b": b, "op": "-"})
     rng.shuffle(problems)
     return problems
+
+
+def multiplication_problems(rng: random.Random) -> list[dict]:
+    """Every `a*b` of a two-digit and a three-digit number whose product has five digits (66,471
+    problems), in a seeded random order. The fixed widths keep each copied digit (into the call,
+    from the result) at a fixed distance, which a model of four layers learns quickly."""
+    problems = [{"prompt": f"{a}*{b}", "answer": str(a * b), "a": a, "b": b, "op": "*"}
+                for a in range(10, 100) for b in range(100, 1000) if a * b >= 10000]
+    rng.shuffle(problems)
+    return problems
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: Integers with + - * / and parentheses, e.g. "12*(3+4)".
+    """
+    value, _ = evaluate_expression(expression)  # parsed, never eval'd; a bad expression raises ValueError
+    return str(value)
 
 
 def countdown_problem(rng: random.Random, num_numbers: int = 3, max_number: int = 9,
@@ -70,6 +94,8 @@ def unique_problems(name: str, limit: int, seed: int) -> list[dict]:
     rng = random.Random(f"{name}-{seed}")
     if name == "arithmetic":
         return arithmetic_problems(rng)[:limit]
+    if name == "multiplication":
+        return multiplication_problems(rng)[:limit]
     if name == "countdown":
         seen, problems = set(), []
         for _ in range(50 * limit):  # draws: ample: there are about 1,900 distinct problems

@@ -68,7 +68,7 @@ def _embedded_dir_on_rank(rank, init_file, out_dir, cache):
     import rlcore.train
     from rlcore.config import load_config
 
-    def build(path, pool):  # stands in for the 800-step SFT
+    def build(path, pool, task):  # stands in for the 800-step SFT
         if path.exists():
             (Path(out_dir) / f"{rank}.txt").write_text("cached")
         else:

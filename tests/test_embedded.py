@@ -63,7 +63,7 @@ def test_a_build_whose_sft_finishes_creates_the_cache_and_leaves_only_the_model_
 def built_by_the_run(cache, monkeypatch, capsys, *overrides):
     """What embedded_model_dir prints for a run with `overrides` on rlcore/default.toml (the build stubbed)."""
     monkeypatch.setenv("RLCORE_CACHE", str(cache))
-    monkeypatch.setattr(rlcore.setup, "build_embedded_model", lambda path, pool: path)
+    monkeypatch.setattr(rlcore.setup, "build_embedded_model", lambda path, pool, task: path)
     rlcore.setup.embedded_model_dir(load_config(DEFAULT_CONFIG, list(overrides)))
     return capsys.readouterr().out
 
