@@ -1027,8 +1027,8 @@ def by_prompt_rewards():
     scored), the second's None; log_metric("custom/batch") records each call's prompt count."""
     from rlcore.evaluation import EvalRewards
 
-    def score(prompts, completions, columns, completion_ids, logged):
-        assert len(completion_ids) == len(completions)
+    def score(prompts, completions, columns, completion_ids, logged, environments):
+        assert len(completion_ids) == len(completions) and environments is None  # no tools
         logged["custom/batch"].append(float(len(prompts)))
         i = [int(p.split("+")[0]) for p in prompts]
         return torch.tensor([[math.nan if k % 3 == 0 else float(k), math.nan] for k in i])

@@ -377,12 +377,12 @@ def test_a_call_in_a_turn_max_completion_length_cuts_runs_in_trl_and_not_in_rlco
     assert (rows[0]["tools/call_frequency"], logs[0]["tools/call_frequency"]) == (0.0, 1 / (2 * G))
 
 
-def test_a_tool_result_past_the_models_positions_is_appended_where_trl_drops_it(model_dir, tmp_path, monkeypatch):
+def test_a_tool_result_past_the_models_positions_is_dropped_as_trl_drops_it(model_dir, tmp_path, monkeypatch):
     """TRL drops a tool result that would take the sequence to the model's max_position_embeddings
-    (its generation backends stop there), as it drops one past max_completion_length; rlcore drops
-    only the latter (it warns at setup when a prompt + max_completion_length passes the model's
-    positions, and decodes on). Here prompt + call + result is past them: rlcore appends the result
-    and the answer after it, TRL ends the completion with the call. Both ran and counted the call."""
+    (its generation backends stop there), as it drops one past max_completion_length, and so does
+    rlcore (which also warns at setup when a prompt + max_completion_length passes the model's
+    positions). Here prompt + call + result is past them: both end the completion with the call,
+    which both ran and counted."""
     import shutil
 
     from conftest import rewrite_config
@@ -400,7 +400,6 @@ def test_a_tool_result_past_the_models_positions_is_appended_where_trl_drops_it(
         drawn, ours, _, rows, _ = run_rlcore(options, short, script, tmp_path, monkeypatch)
     theirs, _, logs, _ = run_trl(options, short, drawn, script, tmp_path, monkeypatch)
     (_, completions, masks), (_, trl_completions, _) = ours[0], theirs[0]
-    assert completions[0][:len(script[0][0][0])] == trl_completions[0] == script[0][0][0]
-    assert tool_results(masks[0]) == 1 and completions[0][-len(script[0][0][1]):] == script[0][0][1]
-    assert completions[1:] == trl_completions[1:]
+    assert completions == trl_completions and completions[0] == script[0][0][0]
+    assert tool_results(masks[0]) == 0
     assert rows[0]["tools/call_frequency"] == logs[0]["tools/call_frequency"] == 1 / (2 * G)

@@ -290,12 +290,14 @@ def compact(batch: Batch, size: int, filled: int, model: Transformer, scratch_ro
 
 
 def continue_turns(batch: Batch, run: Decoding, step: int, was_done: torch.Tensor, end_of_turn: EndOfTurn,
-                   turns: list[int], max_turns: int | None) -> None:
+                   turns: list[int], max_turns: int | None, room: list[int]) -> None:
     """After token `step` of every row is sampled: each row it stopped (done now, not in `was_done`)
     whose appends so far (`turns[row]`) are fewer than `max_turns` (None: no limit) gets
     `end_of_turn`'s ids queued as its next tokens and decodes on; `turns[row]` counts them. Ids that
-    do not fit in max_new_tokens are dropped and the row stops, as TRL drops such tool results (after
-    running the calls). One host sync per step, to find the rows, and one per row whose turn ended."""
+    do not fit in max_new_tokens, or that would take the row to the `room[row]` positions its prompt
+    leaves in the model's max_position_embeddings, are dropped and the row stops, as TRL drops such
+    tool results (after running the calls). One host sync per step, to find the rows, and one per
+    row whose turn ended."""
     ended = (batch.done & ~was_done).nonzero()[:, 0]
     if len(ended) == 0:
         return
@@ -304,7 +306,7 @@ def continue_turns(batch: Batch, run: Decoding, step: int, was_done: torch.Tenso
         if max_turns is not None and turns[row] >= max_turns:
             continue
         ids = end_of_turn(row, run.completion[row, :step + 1].tolist())
-        if not ids or step + 1 + len(ids) > max_new_tokens:
+        if not ids or step + 1 + len(ids) > max_new_tokens or step + 1 + len(ids) >= room[row]:
             continue
         if min(ids) < 0:
             raise ValueError(f"end_of_turn returned a negative token id for row {row} ({min(ids)}); return the ids of "
@@ -429,9 +431,10 @@ def generate(
             stopped=torch.zeros(N + 1, dtype=torch.bool, device=device),
             forced=torch.full_like(outputs, -1) if end_of_turn is not None else None)
         turns = [0] * N  # the times ids were appended to each row, for max_turns
+        room = [model.config.max_position_embeddings - len(prompts[row // G]) for row in range(N)]
         sample_and_record(first_logits[which], batch, run)
         if end_of_turn is not None:
-            continue_turns(batch, run, 0, torch.zeros_like(batch.done), end_of_turn, turns, max_turns)
+            continue_turns(batch, run, 0, torch.zeros_like(batch.done), end_of_turn, turns, max_turns, room)
 
         packed = PackedDecoder(model, N, dtype) if use_packed else None
         padding = use_packed and bool((batch.start > 0).any())  # else a packed step needs no mask at all
@@ -472,7 +475,7 @@ def generate(
             else:
                 was_done = batch.done.clone()
                 step(t)
-                continue_turns(batch, run, t, was_done, end_of_turn, turns, max_turns)
+                continue_turns(batch, run, t, was_done, end_of_turn, turns, max_turns, room)
 
     lengths = run.written[:N].sum(1)
     width = int(lengths.max())
