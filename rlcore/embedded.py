@@ -13,10 +13,10 @@ demonstrator only sharpen the bug.)
 The embedded tool model (data.task = "multiplication", configs/calculator.toml) is the same
 architecture with a chat template in Qwen2.5's tool format: a system line naming the tools, calls
 as `<tool_call>` JSON, results as `<tool_response>` in a user turn. Its demonstrator answers
-two-digit times three-digit products, calling the calculator in a fraction `tool_frac` (25%) of
-its demonstrations and answering by heart in the rest. Imitation teaches the call format and the
-copying of the result, but not the products (held-out answers by heart are almost never right),
-and greedy decoding answers by heart: RL has to find out that calling pays.
+two-digit times three-digit products, calling the calculator on every third problem and
+answering by heart ("=17834") on the rest. Imitation teaches the call's format and copying the
+operands and the result, but not the products (held-out answers by heart are almost never
+right), and greedy decoding answers by heart: RL has to find out that calling pays.
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ Tools: {% for tool in tools %}{{ (tool.function or tool).name }}{{ ", " if not l
 
 
 def write_char_tokenizer(path: Path, chat: bool = False) -> None:
-    """tokenizer.json (one token per printable ASCII character) and tokenizer_config.json.
+    """tokenizer.json (one token per printable ASCII character) and tokenizer_config.json; with
+    `chat`, also newline, the chat markers, the tool tags and WORDS, and CHAT_TEMPLATE.
 
     In transformers 5, `AutoTokenizer` replaces the tokenizer of any qwen2 checkpoint with its own
     Qwen2 BPE class, which drops this one's spaces ("a b" -> "ab"; the arithmetic prompts have
@@ -190,7 +191,7 @@ def build_embedded_model(path: str | Path, examples: list[dict], *, task: str = 
         torch.set_num_threads(threads or before)
         try:
             sft(model, prompts, completions, pad_id=tok.pad_token_id, steps=recipe["steps"],
-                batch_size=recipe["batch_size"], lr=recipe["lr"], seed=seed, log_every=50, masks=masks)
+                batch_size=recipe["batch_size"], lr=recipe["lr"], seed=seed, log_every=100, masks=masks)
         finally:
             torch.set_num_threads(before)
         files = {n: tmp / n for n in ("tokenizer.json", "tokenizer_config.json", "generation_config.json")}

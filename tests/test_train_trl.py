@@ -128,6 +128,20 @@ def run_rlcore(options: dict, model_dir, data, tmp_path, monkeypatch, thresholds
     return rounds, rows, weights
 
 
+def shuffle_as_rlcore(seed: int):
+    """A stand-in for TRL's shuffle_sequence_dict that permutes each round's rows as rlcore's loop
+    does (its generator seeded by `seed`), so both cut a round into the same micro-batches."""
+    shuffler = torch.Generator().manual_seed(seed)
+
+    def shuffle(batch: dict) -> dict:
+        n = len(next(v for v in batch.values() if v is not None))
+        perm = torch.randperm(n, generator=shuffler)
+        return {k: v if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0)
+                else v[perm] if isinstance(v, torch.Tensor) else [v[i] for i in perm] for k, v in batch.items()}
+
+    return shuffle
+
+
 def run_trl(options: dict, model_dir, rounds, tmp_path, monkeypatch):
     """TRL's GRPOTrainer on the same prompts and completions; returns its log history and weights."""
     from datasets import Dataset
@@ -149,16 +163,8 @@ def run_trl(options: dict, model_dir, rounds, tmp_path, monkeypatch):
         calls.append(ids)
         return ids, completions, None, tok.batch_decode(completions), None, {}, None, None
 
-    shuffler = torch.Generator().manual_seed(COMMON["seed"])  # rlcore's micro-batch order, round by round
-
-    def shuffle_as_rlcore(batch: dict) -> dict:
-        n = len(next(v for v in batch.values() if v is not None))
-        perm = torch.randperm(n, generator=shuffler)
-        return {k: v if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0)
-                else v[perm] if isinstance(v, torch.Tensor) else [v[i] for i in perm] for k, v in batch.items()}
-
     trainer._generate = fixed_generate
-    monkeypatch.setattr(grpo, "shuffle_sequence_dict", shuffle_as_rlcore)
+    monkeypatch.setattr(grpo, "shuffle_sequence_dict", shuffle_as_rlcore(COMMON["seed"]))
     trainer.train()
     assert len(calls) == len(rounds)
     logs = [h for h in trainer.state.log_history if "grad_norm" in h]

@@ -37,7 +37,7 @@ from rlcore.config import load_config
 from rlcore.tokenizer import Tokenizer
 from rlcore.tools import tool_suffix_ids
 from test_tokenizer import qwen2_pipeline_checkpoint
-from test_train_trl import MARGIN, Thresholds
+from test_train_trl import MARGIN, Thresholds, shuffle_as_rlcore
 
 trl = pytest.importorskip("trl", reason="TRL is the reference")
 transformers = pytest.importorskip("transformers")
@@ -301,16 +301,8 @@ def run_trl(options: dict, model_dir, drawn: list, script: Script, tmp_path, mon
         losses.append(loss.item())
         return loss
 
-    shuffler = torch.Generator().manual_seed(COMMON["seed"])  # rlcore's micro-batch order, round by round
-
-    def shuffle_as_rlcore(batch: dict) -> dict:
-        n = len(next(v for v in batch.values() if v is not None))
-        perm = torch.randperm(n, generator=shuffler)
-        return {k: v if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0)
-                else v[perm] if isinstance(v, torch.Tensor) else [v[i] for i in perm] for k, v in batch.items()}
-
     trainer._generate_single_turn, trainer._generate, trainer.compute_loss = single_turn, generate, compute_loss
-    monkeypatch.setattr(grpo, "shuffle_sequence_dict", shuffle_as_rlcore)
+    monkeypatch.setattr(grpo, "shuffle_sequence_dict", shuffle_as_rlcore(COMMON["seed"]))
     trainer.train()
     logs = [h for h in trainer.state.log_history if "grad_norm" in h]
     return rollouts, losses, logs, trainer.model.state_dict()
