@@ -322,7 +322,7 @@ def setup(cfg: Config, resume: str | os.PathLike | None = None) -> Run:
     toolbox = load_toolbox(rollout_cfg, tok, model_dir, main)  # before a model loads, as the reward functions
     reward_names, reward_weights = list(loss_cfg.reward_funcs), loss_cfg.reward_weights
     if toolbox and toolbox.reward_name:  # an environment that scores its rollouts is one more reward (TRL)
-        reward_funcs.append(toolbox.rewards)
+        reward_funcs.append(toolbox.get_reward)
         reward_names.append(toolbox.reward_name)
         reward_weights = reward_weights and [*reward_weights, 1.0]
     if not reward_funcs:

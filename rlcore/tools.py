@@ -131,7 +131,7 @@ class Toolbox:
         methods = environment_tools(environment) if environment is not None else []
         return {tool.__name__: tool for tool in self.tools + methods}
 
-    def rewards(self, environments: list[object]) -> list[float | None]:
+    def get_reward(self, environments: list[object]) -> list[float | None]:
         """get_reward() of each rollout's environment (awaited when async)."""
         return [_call(environment.get_reward, {}) for environment in environments]
 

@@ -129,6 +129,25 @@ def test_graphed_and_eager_steps_give_the_same_completions(sampling, dtype, monk
     assert diff <= 1e-6
 
 
+def test_a_multi_turn_rollout_through_graphs_equals_the_eager_step_and_the_training_forward(monkeypatch):
+    """Tool results appended between turns (end_of_turn), replayed from CUDA graphs: the eager
+    step's rollout (tokens, masks, tool mask), and on the model's own tokens the log-probs of a
+    cache-free CPU forward over prompt + completion, appended ids included."""
+    from test_rollout_turns import SUFFIX, first_turn_only
+
+    model = rlcore_model(make_hf_model("qwen2")).to(CUDA)
+    graphed = seeded_rollout(model, temperature=0.8, end_of_turn=first_turn_only())
+    assert (graphed.tool_mask == 0).sum() >= 4 * len(SUFFIX)  # several rows went on after a turn
+    monkeypatch.setenv("RLCORE_CUDA_GRAPHS", "0")
+    eager = seeded_rollout(model, temperature=0.8, end_of_turn=first_turn_only())
+    for field in ("completion_ids", "completion_mask", "truncated", "tool_mask"):
+        assert torch.equal(getattr(graphed, field), getattr(eager, field)), field
+    on_cpu = dataclasses.replace(graphed, completion_ids=graphed.completion_ids.cpu(), lengths=graphed.lengths.cpu())
+    ref = training_logprobs(model.cpu(), on_cpu, 0.8)
+    own = (graphed.tool_mask * graphed.completion_mask).bool().cpu()
+    torch.testing.assert_close(graphed.sampling_logprobs.cpu()[own], ref[own], rtol=0, atol=1e-4)
+
+
 def test_the_attention_kernel_and_its_twin_give_the_same_rollout(monkeypatch):
     """rlcore/cuda/decode_attention.cu inside the engine against its twin (RLCORE_CUDA_KERNELS=0)."""
     model = rlcore_model(make_hf_model("qwen3_tied")).to(CUDA)

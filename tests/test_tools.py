@@ -752,7 +752,7 @@ def test_environments_are_pooled_and_each_rollout_s_tools_act_on_its_own(tool_mo
         reset_environment(environment, {"prompt": prompt, "start": start})
         run_tool_calls([ToolCall("increment", {"by": 1})], toolbox.tools_for(environment), timeout=None)
     assert [e.value for e in second] == [1, 5, 10]
-    assert toolbox.rewards(second) == [0.0, 0.0, 1.0]
+    assert toolbox.get_reward(second) == [0.0, 0.0, 1.0]
     toolbox.retire(second[1])
     assert toolbox.environments(3)[:2] == [second[0], second[2]]
 
