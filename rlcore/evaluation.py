@@ -80,6 +80,8 @@ def evaluate(model: Transformer, tok: Tokenizer, examples: list[dict], accuracy_
                               stop_sequences=stop_sequences,
                               **({"end_of_turn": turns, "max_turns": max_turns} if turns else {}))
         completion_ids = completion_token_ids(ro)
+        if turns:
+            turns.run_cut_turns(completion_ids, ro.truncated.tolist(), max_turns)
         texts = turns.conversations(completion_ids) if turns else decode_completions(tok, completion_ids)
         prompts, completions, values = reward_inputs(chunk, texts, columns)
         scores = accuracy_fn(prompts=prompts, completions=completions, **values)

@@ -278,7 +278,8 @@ class ToolTurns:
 
     `environments` holds each row's environment (None for a toolbox without one); an environment
     whose call timed out leaves the toolbox's pool. `template_kwargs` reach the chat template.
-    `conversations` gives the finished completions as the reward functions get them (TRL's).
+    `run_cut_turns` runs the calls of turns the length limit cut, and `conversations` gives the
+    finished completions as the reward functions get them (both as TRL's).
     """
 
     def __init__(self, toolbox: Toolbox, tokenizer, rows: int, environments: list[object] | None = None,
@@ -314,6 +315,18 @@ class ToolTurns:
         suffix = tool_suffix_ids(self.tokenizer, messages, self.chat_template, **self.template_kwargs)
         self.turn_start[row] = len(completion_ids) + len(suffix)
         return suffix
+
+    def run_cut_turns(self, completion_ids: list[list[int]], truncated: list[bool], max_turns: int | None) -> None:
+        """After the rollout, as TRL does: a last turn that max_completion_length cut still has its
+        calls run and counted when every call in it reads (their results are dropped: no room is
+        left); one with a call the cut left unclosed (or unreadable) is plain text, and none runs.
+        Rows past `max_turns` tool-calling turns run nothing."""
+        for row, (ids, cut) in enumerate(zip(completion_ids, truncated)):
+            if not cut or len(ids) <= self.turn_start[row] or (max_turns is not None and self.turns[row] >= max_turns):
+                continue
+            _, calls = self.turn(row, ids)
+            if calls and all(call.error is None for call in calls):
+                self(row, ids)
 
     def conversations(self, completion_ids: list[list[int]]) -> list[list[dict]]:
         """Each row's completion as TRL hands it to reward functions: its assistant and tool

@@ -162,6 +162,8 @@ def sample_round(run: Run, state: RunState, rows: list[dict]) -> tuple[rollout.R
                                     f"{finished}/{rows_label} done"),
                                 **({"end_of_turn": turns, "max_turns": rollout_cfg.max_tool_calling_iterations}
                                    if turns else {}))
+    if turns:
+        turns.run_cut_turns(completion_token_ids(ro), ro.truncated.tolist(), rollout_cfg.max_tool_calling_iterations)
     return ro, turns
 
 

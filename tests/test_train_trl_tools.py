@@ -352,21 +352,25 @@ def test_the_loop_with_tools_trains_as_trls_grpo_trainer_on_the_same_model_outpu
         assert (got[name] - init[name] - moved).norm() <= 1e-3 * moved.norm(), name
 
 
-def test_a_call_in_a_turn_max_completion_length_cuts_runs_in_trl_and_not_in_rlcore(model_dir, tmp_path, monkeypatch):
-    """The difference the script steps around (docs/environments.md): a turn cut at
-    max_completion_length whose text holds a complete call. TRL parses it, runs the call and counts
-    it, then drops the result (no room); rlcore ends the row at the cut, running nothing. The
-    sequences, masks and so the losses are the same; the tool ran, and tools/* count it, in TRL only."""
+@pytest.mark.parametrize("cut_inside_a_call", [False, True])
+def test_a_turn_max_completion_length_cuts_runs_its_calls_as_in_trl(model_dir, tmp_path, monkeypatch,
+                                                                    cut_inside_a_call):
+    """A turn cut at max_completion_length. Where its text ends with a complete call, TRL parses
+    it, runs the call and counts it, then drops the result (no room), and so does rlcore; where the
+    cut falls inside a second call, the turn is plain text to both, and nothing runs. The sequences
+    and masks are the same either way, and so are the calls run and tools/call_frequency."""
     t = Turns(Tokenizer.from_dir(model_dir))
-    script = [[[t.cut(call("add", 8, 9))]] + [[t("Fine.")]] * (2 * G - 1)]  # row 0: T ids ending in a call
+    text = call("add", 8, 9) + ("\n" + call("add", 1, 1)[:24] if cut_inside_a_call else "")  # cut in "arguments"
+    script = [[[t.cut(text)]] + [[t("Fine.")]] * (2 * G - 1)]  # row 0: T ids, the cut at their end
     options = dict(max_steps=1, gradient_accumulation_steps=2)
     CALLED.clear()
     drawn, ours, _, rows, _ = run_rlcore(options, model_dir, script, tmp_path, monkeypatch)
-    assert CALLED == []
+    ours_called = list(CALLED)
+    CALLED.clear()
     theirs, _, logs, _ = run_trl(options, model_dir, drawn, script, tmp_path, monkeypatch)
-    assert CALLED == [("add", 8, 9)]
+    assert ours_called == CALLED == ([] if cut_inside_a_call else [("add", 8, 9)])
     assert ours == theirs and ours[0][1][0] == script[0][0][0]  # row 0 ends at the cut, either side
-    assert (rows[0]["tools/call_frequency"], logs[0]["tools/call_frequency"]) == (0.0, 1 / (2 * G))
+    assert rows[0]["tools/call_frequency"] == logs[0]["tools/call_frequency"] == (0 if cut_inside_a_call else 1 / (2 * G))
 
 
 def test_a_tool_result_past_the_models_positions_is_dropped_as_trl_drops_it(model_dir, tmp_path, monkeypatch):
