@@ -520,6 +520,21 @@ def test_reward_functions_get_the_completion_as_trls_messages(tmp_path, template
     assert turns.conversations([ids]) == [expected]
 
 
+@pytest.mark.parametrize("turns_before, max_turns, runs", [(0, None, True), (0, 1, True), (1, 1, False)])
+def test_a_turn_the_length_limit_cuts_runs_its_calls_within_the_turn_limit(tmp_path, turns_before, max_turns, runs):
+    """run_cut_turns: a cut last turn whose calls all read runs and counts them, while the row is
+    under max_turns; its results are dropped, so the completion ends with the calling turn."""
+    ours, _ = checkpoint(tmp_path, "qwen2_5")
+    turns = ToolTurns(Toolbox([add]), ours, 1)
+    ids = ours.encode('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
+                      add_special_tokens=False)  # no EOS: cut
+    turns.turns[0] = turns_before
+    turns.run_cut_turns([ids], [True], max_turns)
+    assert turns.calls == [1 if runs else 0]
+    called = {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
+    assert turns.conversations([ids]) == [[{"role": "assistant", "content": "", "tool_calls": [called]}]]
+
+
 def test_a_malformed_call_is_answered_with_its_error_and_counted_as_a_failure():
     calls = [ToolCall("unknown", error="the tool call is not valid JSON (...)"), ToolCall("add", {"a": 1, "b": 2})]
     results = run_tool_calls(calls, {"add": add}, timeout=None)
