@@ -74,11 +74,11 @@ def log_line(step: int, max_steps: int, m: dict) -> str:
     kl_ref (with beta > 0) to the reference model, TRL's `kl`; with tools, the fraction of
     completions that called one."""
     clip = f"clip {m['clip_ratio/region']:.3f}  " if "clip_ratio/region" in m else ""  # ppo only
-    clip += f"tools {m['tools/used_frac']:.3f}  " if "tools/used_frac" in m else ""
+    tools = f"tools {m['tools/used_frac']:.3f}  " if "tools/used_frac" in m else ""  # with rollout.tools
     kl_ref = f"kl_ref {m['kl_ref']:.4f}  " if m.get("kl_ref") is not None else ""
     acc = "-" if m["reward/accuracy"] is None else f"{m['reward/accuracy']:.3f}"  # None: no answers to check
     return (f"step {step:>4}/{max_steps}  reward {m['reward/mean']:.3f}  acc {acc}  "
-            f"kl_old {m['kl_old/k3']:.4f}  {kl_ref}{clip}len {m['completion/len_mean']:.1f}  "
+            f"kl_old {m['kl_old/k3']:.4f}  {kl_ref}{clip}{tools}len {m['completion/len_mean']:.1f}  "
             f"gen {m['tokens_per_s/rollout']:.0f} tok/s  time rollout {m['time/rollout']:.1f}s "
             f"score {m['time/scoring']:.2f}s update {m['time/update']:.1f}s")
 

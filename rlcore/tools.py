@@ -292,7 +292,6 @@ class ToolTurns:
         self.calls, self.failures, self.turns = [0] * rows, [0] * rows, [0] * rows
         self.turn_start = [0] * rows  # where each row's current turn begins in its completion
         self.messages = [[] for _ in range(rows)]  # each row's finished turns: assistant, then tool messages
-        self.results = [0] * rows  # the tool messages of each row's latest turn
 
     def turn(self, row: int, completion_ids: list[int]) -> tuple[str, list[ToolCall]]:
         """The text of the row's current turn and the calls in it."""
@@ -311,7 +310,6 @@ class ToolTurns:
         self.turns[row] += 1
         messages = tool_messages(results)
         self.messages[row] += [assistant_message(text, self.format, calls), *messages]
-        self.results[row] = len(messages)
         suffix = tool_suffix_ids(self.tokenizer, messages, self.chat_template, **self.template_kwargs)
         self.turn_start[row] = len(completion_ids) + len(suffix)
         return suffix
@@ -336,8 +334,9 @@ class ToolTurns:
         out = []
         for row, ids in enumerate(completion_ids):
             messages = self.messages[row]
-            if self.turn_start[row] > len(ids):  # the engine dropped the latest results
-                messages = messages[:len(messages) - self.results[row]]
+            if self.turn_start[row] > len(ids):  # the engine dropped the latest results: the trailing tool messages
+                while messages[-1]["role"] == "tool":
+                    messages = messages[:-1]
             elif len(ids) > self.turn_start[row]:
                 text, calls = self.turn(row, ids)
                 messages = messages + [assistant_message(text, self.format, calls)]
