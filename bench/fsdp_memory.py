@@ -60,11 +60,11 @@ def step_memory(rank: int, init_file: str, out_dir: str, mode: str, device_type:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from rlcore import distributed, sharding
+    from rlcore.parallel import collectives, fsdp
     from rlcore.forward import completion_logprobs
-    from rlcore.model import ModelConfig, Transformer
-    from rlcore.options import TrainArgs
-    from rlcore.setup import adamw
+    from rlcore.models.transformer import ModelConfig, Transformer
+    from rlcore.config.options import TrainArgs
+    from rlcore.run.setup import adamw
 
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     if device_type == "cuda":
@@ -75,7 +75,7 @@ def step_memory(rank: int, init_file: str, out_dir: str, mode: str, device_type:
     model = Transformer(ModelConfig(**SHAPE, head_dim=SHAPE["hidden_size"] // SHAPE["num_attention_heads"]))
     model.to(device)
     if mode == "fsdp":
-        sharding.shard(model, WORLD, device, bf16=False)
+        fsdp.shard(model, WORLD, device, bf16=False)
     opt = adamw(model, TrainArgs(learning_rate=1e-5))
     g = torch.Generator().manual_seed(rank)
     ids = torch.randint(0, SHAPE["vocab_size"], (ROWS, PROMPT + COMPLETION), generator=g).to(device)
@@ -86,10 +86,10 @@ def step_memory(rank: int, init_file: str, out_dir: str, mode: str, device_type:
         tracker.track_external(model, opt)
     with tracker:
         logp, _ = completion_logprobs(model, ids, attn, PROMPT, ids[:, PROMPT:])
-        sharding.sync_gradients(model, last=True)
+        fsdp.sync_gradients(model, last=True)
         (-logp.mean()).backward()
-        distributed.average_gradients(model, WORLD)
-        sharding.clip_grad_norm_(model, 1.0)
+        collectives.average_gradients(model, WORLD)
+        fsdp.clip_grad_norm_(model, 1.0)
         opt.step()
     torch.save(tracker.held_peak[device], os.path.join(out_dir, f"{mode}-{rank}.pt"))
     dist.destroy_process_group()
@@ -108,7 +108,7 @@ def main() -> None:
             mp.spawn(step_memory, args=(str(Path(tmp) / f"init-{mode}"), tmp, mode, args.device), nprocs=WORLD)
             results[mode] = [torch.load(Path(tmp) / f"{mode}-{rank}.pt") for rank in range(WORLD)]
     with torch.device("meta"):
-        from rlcore.model import ModelConfig, Transformer
+        from rlcore.models.transformer import ModelConfig, Transformer
         n_params = sum(p.numel() for p in Transformer(
             ModelConfig(**SHAPE, head_dim=SHAPE["hidden_size"] // SHAPE["num_attention_heads"])).parameters())
     print(f"{n_params / 1e6:.1f}M parameters (fp32), {WORLD} ranks on {args.device}, {ROWS} completions of "

@@ -42,8 +42,8 @@ GPUS_GB = (24, 80, 141)
 def counts(layers, hidden, inter, heads, kv, vocab, tied, r=RANK) -> tuple[int, int]:
     """(all parameters, LoRA parameters of rank r on every projection) of a Qwen2.5-shaped model,
     counted on rlcore's own model built on the meta device (no memory)."""
-    from rlcore.lora import apply_lora, lora_parameters
-    from rlcore.model import ModelConfig, Transformer
+    from rlcore.models.lora import apply_lora, lora_parameters
+    from rlcore.models.transformer import ModelConfig, Transformer
 
     cfg = ModelConfig.from_hf(dict(SHAPE, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
                                    num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
@@ -69,10 +69,10 @@ def peak_rss_bytes() -> int:
 def build_checkpoint(path: Path) -> None:
     """Random Qwen2.5-0.5B-shaped weights (fp32) with the embedded model's character tokenizer."""
     from rlcore import EMBEDDED_DEFAULT
-    from rlcore.checkpoint import save_model
+    from rlcore.models.hf_checkpoint import save_model
     from rlcore.config import load_config
-    from rlcore.model import ModelConfig, Transformer
-    from rlcore.setup import embedded_model_dir
+    from rlcore.models.transformer import ModelConfig, Transformer
+    from rlcore.run.setup import embedded_model_dir
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig.from_hf(SHAPE))

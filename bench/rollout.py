@@ -39,7 +39,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from rlcore.model import ModelConfig, Transformer
+from rlcore.models.transformer import ModelConfig, Transformer
 from rlcore.rollout import generate
 from rlcore.train import clock  # wall clock once the GPU's queued work is done
 

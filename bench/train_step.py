@@ -292,7 +292,7 @@ def step_flops(d: Path) -> float:
     count (each prompt once; every completion token but the last fed; the vocabulary projection
     for each sampled token), so the step is 4 times it."""
     from rollout import rollout_flops  # bench/rollout.py, beside this script
-    from rlcore.model import ModelConfig
+    from rlcore.models.transformer import ModelConfig
 
     cfg = ModelConfig.from_hf(json.loads((d / "config.json").read_text()))
     return 4 * rollout_flops(cfg, PROMPTS_PER_STEP, G, PROMPT_LEN, MAX_NEW)

@@ -88,7 +88,7 @@ def internal_origin(error: BaseException) -> str:
 def plain_warnings(message, category, filename, lineno, file=None, line=None, *, shown: set,
                    _default=warnings.showwarning):
     """rlcore's own warnings (RlcoreWarning) as one `rlcore: warning:` line, each once (the config
-    is checked when it is loaded and again when the run starts), from rank 0 only under torchrun;
+    may warn when it loads and again when the run starts), from rank 0 only under torchrun;
     any other warning as Python shows it."""
     if issubclass(category, RlcoreWarning):
         if launch_rank() == 0 and str(message) not in shown:
@@ -96,27 +96,6 @@ def plain_warnings(message, category, filename, lineno, file=None, line=None, *,
             print(f"rlcore: warning: {message}", file=sys.stderr if file is None else file)
         return
     _default(message, category, filename, lineno, file, line)
-
-
-def no_latest_hint(run: Path) -> str:
-    """What a --resume directory without a `latest` file is instead: one of rlcore's checkpoints, a
-    run that stopped before its first save, or a transformers Trainer's (TRL's) output."""
-    from rlcore.config import RUN_CONFIG_HEADER
-    from rlcore.state import has_state
-
-    if has_state(run):  # a checkpoint, as the Trainer's resume_from_checkpoint takes
-        return (f"; it is a checkpoint: --resume takes its run directory, --resume {run.parent} (which "
-                f"continues from the checkpoint its `latest` names)")
-    trainer = sorted((p.parent for p in run.glob("checkpoint-*/trainer_state.json")),
-                     key=lambda p: int(p.name.rpartition("-")[2]) if p.name.rpartition("-")[2].isdigit() else -1)
-    if (run / "trainer_state.json").is_file() or trainer:
-        weights = run if (run / "trainer_state.json").is_file() else trainer[-1]
-        return (f"; it is a transformers Trainer's (TRL's) output, and rlcore resumes only the runs it wrote: to "
-                f"start a new run from its weights, --set model.path={weights}")
-    if (run / "config.toml").is_file() and (run / "config.toml").read_text().startswith(RUN_CONFIG_HEADER):
-        return ("; the run stopped before its first checkpoint (one is written every train.save_steps steps and at "
-                f"the end), so it starts over: rlcore train {run / 'config.toml'}")
-    return ""
 
 
 def unknown_argument_hint(unknown: list[str], argv: list[str] | None) -> str:
@@ -142,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = lambda *args, **kwargs: plain_warnings(*args, **kwargs, shown=shown)
         code = run_command(argv)
-    distributed = sys.modules.get("rlcore.distributed")  # imported only by commands that may start a process group
-    return code if distributed is None else distributed.leave(code)  # a torchrun rank exits here
+    collectives = sys.modules.get("rlcore.parallel.collectives")  # imported by the commands that may start a group
+    return code if collectives is None else collectives.leave(code)  # a torchrun rank exits here
 
 
 def run_command(argv: list[str] | None = None) -> int:
@@ -166,14 +145,15 @@ def run_command(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{unknown_argument_hint(unknown, argv)}")
 
-    from rlcore.config import ConfigError, load_config, model_in_overrides, overridden
-    from rlcore.options import options_table
+    from rlcore import ConfigError
+    from rlcore.config.load import load_config, model_in_overrides, on_embedded_default, overridden
+    from rlcore.config.values import options_table
 
     if args.command == "options":
         print(options_table())
         return 0
     if args.command == "export":
-        from rlcore.rundir import export
+        from rlcore.run.export import export
 
         try:
             print(f"wrote {export(Path(args.source), Path(args.out))}")
@@ -182,22 +162,19 @@ def run_command(argv: list[str] | None = None) -> int:
             return 1
         return 0
 
-    from rlcore.rundir import kept_checkpoint, recorded_ranks, recorded_sections, resume_command
+    from rlcore.run.checkpoints import kept_checkpoint
+    from rlcore.run.rundir import RunDir, resume_command
 
     world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
-    run_config = None  # the run's own config.toml, read back by --resume
-    if args.resume and not args.config and (Path(args.resume) / "latest").is_file():  # else: an error below
-        if not (Path(args.resume) / "config.toml").is_file():  # train() writes it; older Python-started runs lack it
-            report(f"rlcore: error: --resume {args.resume}: the run directory has no config.toml; give the config "
-                   f"the run was started with: rlcore train CONFIG --resume {args.resume}")
+    run_dir = run_config = None  # --resume: the run directory, and its own config.toml when no CONFIG is given
+    if args.resume:
+        try:  # before the config loads: its batch checks on another rank count would blame b
+            run_dir = RunDir.to_resume(args.resume, world, main=launch_rank() == 0)
+        except (OSError, ValueError) as e:
+            report(f"rlcore: error: {e}")
             return 1
-        args.config = run_config = str(Path(args.resume) / "config.toml")
-        ranks = recorded_ranks(Path(run_config))
-        sharded = (recorded_sections(Path(run_config)) or {}).get("train", {}).get("fsdp", False)  # any rank count
-        if ranks is not None and ranks != world and not sharded:  # before the batch checks, which would blame b
-            report(f"rlcore: error: --resume {args.resume}: the run was trained on {ranks} rank(s) and this command "
-                   f"starts {world}; resume it on as many: {resume_command(Path(args.resume), ranks)}")
-            return 1
+        if not args.config:
+            args.config = run_config = str(run_dir.config_toml)
     # Reward functions named "module:function" import from the current directory, as with
     # `python -m rlcore.cli` (the `rlcore` script alone would not look there); last on the path,
     # so a file there named like one of rlcore's dependencies does not shadow it.
@@ -219,9 +196,9 @@ def run_command(argv: list[str] | None = None) -> int:
             print(f"rlcore: no config file, and --set names a model ({model}): the options it leaves unset take "
                   f"rlcore's defaults (TRL's GRPOConfig values; rlcore options lists them), not the embedded "
                   f"default run's", file=sys.stderr)
-        if cfg.base and launch_rank() == 0:
+        if on_embedded_default(args.config, args.overrides) and launch_rank() == 0:
             print(f"rlcore: {args.config} names no model (model.path), so it trains the embedded tiny model; "
-                  f"the keys it leaves unset take the embedded default's values ({cfg.base})", file=sys.stderr)
+                  f"the keys it leaves unset take the embedded default's values ({EMBEDDED_DEFAULT})", file=sys.stderr)
         if args.resume:
             cfg.train.output_dir = args.resume
         else:  # a fresh run directory per invocation when the config asks for one
@@ -231,22 +208,16 @@ def run_command(argv: list[str] | None = None) -> int:
         report(f"rlcore: config error{where}: {e}")  # every rank checks the same config: rank 0 says it
         return 2
 
-    from rlcore import distributed
-    from rlcore.rewards import RewardFunctionError
+    from rlcore.parallel import collectives
+    from rlcore.rewards.scoring import RewardFunctionError
     from rlcore.train import train
 
     run = Path(cfg.train.output_dir)
-    if args.resume and not run.is_dir():
-        report(f"rlcore: error: --resume {run}: no such run directory")
-        return 1
-    if args.resume and not (run / "latest").is_file():
-        report(f"rlcore: error: --resume {run}: no checkpoint there (no `latest` file){no_latest_hint(run)}")
-        return 1
     t0 = time.time()
     main_thread = threading.current_thread() is threading.main_thread()  # where Python runs signal handlers
     previous = signal.signal(signal.SIGTERM, interrupt) if main_thread else None
     try:
-        result = train(cfg, resume=args.resume)
+        result = train(cfg, resume=run_dir)
     except RewardFunctionError as e:  # the user's function failed: its own frames, not rlcore's
         kept = kept_checkpoint(run)
         # train() checkpoints the run as it was when the function failed: before the round it was
@@ -275,7 +246,7 @@ def run_command(argv: list[str] | None = None) -> int:
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-        distributed.close()  # under torchrun: before exit, not in the interpreter's teardown
+        collectives.close()  # under torchrun: before exit, not in the interpreter's teardown
     if launch_rank() != 0:  # under torchrun, rank 0 reports
         return 0
     print(f"run directory: {run}  ({time.time() - t0:.0f}s)")

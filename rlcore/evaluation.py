@@ -7,31 +7,18 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from rlcore import distributed, rollout
 from rlcore.losses.advantages import weighted_rewards
-from rlcore.model import Transformer
-from rlcore.rewards import RewardState, dataset_columns, reward_extras, reward_inputs, score_completions
-from rlcore.runlog import Progress
-from rlcore.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from rlcore.setup import Run
-    from rlcore.state import RunState
-    from rlcore.tools import ToolTurns
-
-
-def completion_token_ids(ro: rollout.Rollout) -> list[list[int]]:
-    """Each completion's token ids, without its padding."""
-    return [ids[:n].tolist() for ids, n in zip(ro.completion_ids, ro.lengths.tolist())]
-
-
-def decode_completions(tok: Tokenizer, completion_ids: list[list[int]]) -> list[str]:
-    """Text of each completion, for the reward functions only (training uses the token ids)."""
-    return [tok.decode(ids, skip_special_tokens=True) for ids in completion_ids]
+from rlcore.models.tokenizer import Tokenizer
+from rlcore.models.transformer import Transformer
+from rlcore.parallel import collectives
+from rlcore.rewards.scoring import RewardState, dataset_columns, reward_extras, reward_inputs, score_completions
+from rlcore.rollout.completions import ToolRows, completion_texts, completion_token_ids, sample_completions
+from rlcore.run.setup import Run
+from rlcore.run.state import RunState
+from rlcore.run.steplog import Progress
 
 
 @dataclass
@@ -49,7 +36,7 @@ class EvalRewards:
 def evaluate(model: Transformer, tok: Tokenizer, examples: list[dict], accuracy_fn: Callable, max_new_tokens: int,
              batch_size: int = 128, rank: int = 0, world: int = 1, device: torch.device | None = None,
              rewards: EvalRewards | None = None, stop_sequences: list[list[int]] = (),
-             tool_turns: Callable[[list[dict]], tuple[list[list[int]], ToolTurns]] | None = None,
+             tool_turns: ToolRows | None = None,
              max_turns: int | None = None) -> dict:
     """Held-out metrics of greedy completions: `eval/accuracy`, the fraction of prompts whose
     greedy answer scores 1 (a prompt the accuracy function cannot score, None, counts as wrong),
@@ -74,16 +61,10 @@ def evaluate(model: Transformer, tok: Tokenizer, examples: list[dict], accuracy_
     logged, failure, used, calls = defaultdict(list), None, 0, 0
     for i in range(0, len(mine), batch_size):
         chunk = mine[i:i + batch_size]
-        prompts, turns = tool_turns(chunk) if tool_turns else ([ex["prompt_ids"] for ex in chunk], None)
-        ro = rollout.generate(model, prompts, 1, max_new_tokens,
-                              eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id, temperature=0.0,
-                              stop_sequences=stop_sequences,
-                              **({"end_of_turn": turns, "max_turns": max_turns} if turns else {}))
-        completion_ids = completion_token_ids(ro)
-        if turns:
-            turns.run_cut_turns(completion_ids, ro.truncated.tolist(), max_turns)
-        texts = turns.conversations(completion_ids) if turns else decode_completions(tok, completion_ids)
-        prompts, completions, values = reward_inputs(chunk, texts, columns)
+        rollout, turns = sample_completions(model, tok, chunk, max_new_tokens, tool_turns=tool_turns,
+                                            max_turns=max_turns, temperature=0.0, stop_sequences=stop_sequences)
+        completion_ids = completion_token_ids(rollout)
+        prompts, completions, values = reward_inputs(chunk, completion_texts(tok, completion_ids, turns), columns)
         scores = accuracy_fn(prompts=prompts, completions=completions, **values)
         correct += sum(1.0 for s in scores if s is not None and s >= 1.0)
         scored += sum(s is not None for s in scores)
@@ -103,9 +84,9 @@ def evaluate(model: Transformer, tok: Tokenizer, examples: list[dict], accuracy_
         if i + len(chunk) < len(mine):
             progress.report(f"{i + len(chunk)}/{len(mine)} prompts{share}")
     if rewards:
-        distributed.raise_together(failure, world)
-        logged = distributed.concat_over_ranks(logged, world)
-    correct, scored, used, calls, *flat = distributed.sum_over_ranks(
+        collectives.raise_together(failure, world)
+        logged = collectives.concat_over_ranks(logged, world)
+    correct, scored, used, calls, *flat = collectives.sum_over_ranks(
         [correct, scored, used, calls, *totals.flatten().tolist()], world, device)
     out = {"eval/accuracy": correct / len(examples) if scored else None}
     if tool_turns and examples:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from rlcore.losses.logprobs import token_logprobs
-from rlcore.model import PrefixKV, Transformer, padded_causal_mask
+from rlcore.models.transformer import PrefixKV, Transformer, padded_causal_mask
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int):

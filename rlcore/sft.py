@@ -13,7 +13,7 @@ import time
 import torch
 
 from rlcore.forward import completion_logprobs, pack
-from rlcore.model import Transformer
+from rlcore.models.transformer import Transformer
 
 
 def sft(model: Transformer, prompts: list[list[int]], completions: list[list[int]], *,

@@ -14,8 +14,8 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 import pytest
 import torch
 
-from rlcore.embedded import build_embedded_model
-from rlcore.tasks import unique_problems
+from rlcore.models.embedded import build_embedded_model
+from rlcore.data.tasks import unique_problems
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -69,7 +69,7 @@ def hf_checkpoint(tmp_path):
 @pytest.fixture
 def qwen_dir(tmp_path):
     """A tiny random Qwen2 checkpoint with a Qwen2.5-style tokenizer.json and chat template."""
-    from rlcore.tokenizer import Tokenizer
+    from rlcore.models.tokenizer import Tokenizer
     from test_tokenizer import qwen2_pipeline_checkpoint
 
     path = qwen2_pipeline_checkpoint(tmp_path / "qwen")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlcore.losses.advantages import compute_advantages
-from rlcore.rewards import RewardFunctionError, check_reward_funcs, score_completions
+from rlcore.rewards.scoring import RewardFunctionError, check_reward_funcs, score_completions
 
 NAN = float("nan")
 

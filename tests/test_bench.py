@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import make_hf_model
-from rlcore.model import ModelConfig
+from rlcore.models.transformer import ModelConfig
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 

@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 
 from rlcore.config import load_config
-from rlcore.data import format_prompt
-from rlcore.embedded import build_embedded_model, cache_dir_name, calculator_demos, write_char_tokenizer
-from rlcore.tasks import calculator, multiplication_problems, unique_problems
-from rlcore.tokenizer import Tokenizer
-from rlcore.tool_calls import tool_call_format
-from rlcore.tool_schema import tool_schema
-from rlcore.tools import Toolbox, ToolTurns, is_prefix_preserving
+from rlcore.data.datasets import format_prompt
+from rlcore.models.embedded import build_embedded_model, cache_dir_name, calculator_demos, write_char_tokenizer
+from rlcore.data.tasks import calculator, multiplication_problems, unique_problems
+from rlcore.models.tokenizer import Tokenizer
+from rlcore.tools.calls import tool_call_format
+from rlcore.tools.schema import tool_schema
+from rlcore.tools.toolbox import Toolbox
+from rlcore.tools.turns import ToolTurns, is_prefix_preserving
 from rlcore.train import train
 
 transformers = pytest.importorskip("transformers")

@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import pytest
 
 import rlcore.rollout
-from rlcore.data import format_prompt
-from rlcore.options import RolloutArgs
-from rlcore.setup import load_toolbox
-from rlcore.tokenizer import Tokenizer
-from rlcore.tools import CHAT_TEMPLATES, tool_suffix_ids
+from rlcore.data.datasets import format_prompt
+from rlcore.config.options import RolloutArgs
+from rlcore.run.setup import load_toolbox
+from rlcore.models.tokenizer import Tokenizer
+from rlcore.tools.turns import CHAT_TEMPLATES, tool_suffix_ids
 from rlcore.train import train
 
 from conftest import make_hf_model

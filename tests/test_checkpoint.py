@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlcore.checkpoint import CheckpointError, check_model_dir, load_model, save_model
+from rlcore.models.hf_checkpoint import CheckpointError, check_model_dir, load_model, save_model
 
 from conftest import rewrite_config
 
@@ -334,7 +334,7 @@ def test_missing_shard_named(hf_checkpoint, tmp_path):
 
 
 def test_latest_naming_a_missing_checkpoint_says_missing_and_names_the_one_kept(tmp_path):
-    from rlcore.rundir import latest_checkpoint
+    from rlcore.run.rundir import latest_checkpoint
 
     for name in ("checkpoint-2", "checkpoint-10", "checkpoint-12.tmp"):  # the last is no checkpoint name
         (tmp_path / name).mkdir()
@@ -356,7 +356,7 @@ def test_latest_naming_a_missing_checkpoint_says_missing_and_names_the_one_kept(
 
 
 def test_a_trainer_state_rlcore_did_not_write_is_named_with_the_keys_it_lacks(tmp_path):
-    from rlcore.rundir import load_trainer_state
+    from rlcore.run.rundir import load_trainer_state
 
     ck = tmp_path / "checkpoint-2"
     (ck / "model").mkdir(parents=True)
@@ -369,7 +369,7 @@ def test_a_trainer_state_rlcore_did_not_write_is_named_with_the_keys_it_lacks(tm
 def test_the_trainer_state_round_trips_through_json_and_safetensors_exactly(tmp_path):
     """An optimizer's state (integer keys, tuples, 0-dim tensors), RNG states, None and non-finite
     floats come back equal, of the same types, from files that hold no pickle."""
-    from rlcore.state import read_state, write_state
+    from rlcore.run.state import read_state, write_state
 
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, betas=(0.9, 0.99))

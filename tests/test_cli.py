@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlcore.rundir import kept_checkpoint
+from rlcore.run.rundir import kept_checkpoint
 from rlcore.cli import interrupt, main
-from rlcore.state import read_state, write_state
+from rlcore.run.state import read_state, write_state
 from test_train import NUM_EVAL, SEED, SMALL, cli_args, rows, weights
 
 pytestmark = pytest.mark.usefixtures("embedded_dir")  # conftest: the embedded model, one torch thread
@@ -32,7 +32,7 @@ def test_cli_last_line_reports_held_out_accuracy_before_and_after(tmp_path, caps
 
 
 def test_cli_options_prints_every_option_and_train_help_points_to_it(capsys):
-    from rlcore.options import options_table
+    from rlcore.config.values import options_table
 
     assert main(["options"]) == 0
     assert capsys.readouterr().out.strip() == options_table().strip()
@@ -116,8 +116,8 @@ def test_cli_resume_keeps_the_embedded_model_its_data_seed_built(tmp_path, capsy
 def test_cli_resume_with_other_data_says_what_changed(tmp_path, capsys, monkeypatch):
     """Another data.path / seed / num_train on --resume (was silent): the checkpoint's data position
     counts rows of the old order, and the held-out set is drawn again."""
-    from rlcore.rundir import changed_data
-    from rlcore.options import DataArgs
+    from rlcore.run.rundir import changed_data
+    from rlcore.config.options import DataArgs
 
     run = tmp_path / "run"
     assert main(cli_args(run, "train.max_steps=1")) == 0
@@ -197,7 +197,7 @@ def test_cli_sigterm_stops_the_run_as_ctrl_c_does(tmp_path, capsys, monkeypatch)
         return kept_checkpoint(run)
 
     monkeypatch.setattr("rlcore.train.train", terminated)
-    monkeypatch.setattr("rlcore.rundir.kept_checkpoint", second_sigterm_while_reporting)
+    monkeypatch.setattr("rlcore.run.rundir.kept_checkpoint", second_sigterm_while_reporting)
     before = signal.getsignal(signal.SIGTERM)
     try:
         code = main(["train", "--resume", str(run), "--set", "train.max_steps=2"])
@@ -230,7 +230,7 @@ def test_cli_without_a_config_naming_a_model_takes_rlcores_defaults(tmp_path, ca
     """The embedded default run's recipe (4-token completions, lr 1e-4) is for its tiny model: a
     --set that names another model runs on the dataclass defaults (TRL's values), and says so."""
     import rlcore.train
-    from rlcore.options import RolloutArgs, TrainArgs
+    from rlcore.config.options import RolloutArgs, TrainArgs
 
     seen = []
     monkeypatch.setattr(rlcore.train, "train", lambda cfg, resume=None: seen.append(cfg) or {"before": 0, "after": 0})
@@ -240,7 +240,7 @@ def test_cli_without_a_config_naming_a_model_takes_rlcores_defaults(tmp_path, ca
     real, embedded = seen
     assert (real.rollout.max_completion_length, real.train.learning_rate) == (RolloutArgs.max_completion_length,
                                                                               TrainArgs.learning_rate)
-    assert (embedded.rollout.max_completion_length, embedded.train.learning_rate) == (4, 1e-4)  # rlcore/default.toml
+    assert (embedded.rollout.max_completion_length, embedded.train.learning_rate) == (4, 1e-4)  # rlcore/config/default.toml
     err = capsys.readouterr().err
     assert err.count("rlcore: no config file, and --set names a model (/ckpt/qwen): the options it leaves unset "
                      "take rlcore's defaults") == 1, err
@@ -345,7 +345,7 @@ def test_a_new_run_may_share_its_directory_with_a_log_and_dotfiles(tmp_path, cap
 
 
 def test_checkpoint_rotation_deletes_only_rlcore_checkpoints(tmp_path):
-    from rlcore.rundir import checkpoints
+    from rlcore.run.rundir import checkpoints
 
     run = tmp_path / "run"
     for step in (1, 2, 3):
@@ -377,8 +377,8 @@ def test_a_checkpoint_that_cannot_be_written_is_named_and_the_previous_one_kept(
 
     import safetensors
 
-    import rlcore.checkpoint
-    import rlcore.state
+    import rlcore.models.hf_checkpoint
+    import rlcore.run.state
 
     saves = []
 
@@ -392,10 +392,10 @@ def test_a_checkpoint_that_cannot_be_written_is_named_and_the_previous_one_kept(
 
     if where == "save_file":
         exc = safetensors.SafetensorError("Error while serializing: I/O error: File too large (os error 27)")
-        monkeypatch.setattr(rlcore.checkpoint, "save_file", failing(rlcore.checkpoint.save_file, exc))
+        monkeypatch.setattr(rlcore.models.hf_checkpoint, "save_file", failing(rlcore.models.hf_checkpoint.save_file, exc))
     else:
         exc = OSError(errno.ENOSPC, "No space left on device")
-        monkeypatch.setattr(rlcore.state, "save_file", failing(rlcore.state.save_file, exc))
+        monkeypatch.setattr(rlcore.run.state, "save_file", failing(rlcore.run.state.save_file, exc))
     run = tmp_path / "run"
     assert main(cli_args(run, "train.max_steps=2", "train.save_steps=1")) == 1
     err = capsys.readouterr().err
@@ -493,14 +493,14 @@ def test_an_error_rlcore_did_not_word_says_where_it_came_from_and_the_traceback_
                                                                                        monkeypatch):
     """rlcore's own errors are one line; any other ValueError / TypeError / OSError (a bug, or a
     value no check caught) names no option, so the line says where it was raised."""
-    import rlcore.setup
+    import rlcore.run.setup
     from rlcore.cli import internal_origin
     from rlcore.config import load_config
 
     cfg = load_config(None, ["train.lr_scheduler_type=cosine", "train.max_steps=10"])
     cfg.train.lr_scheduler_kwargs = {"num_cycles": "x"}  # past the config check, as before it checked values
     with pytest.raises(TypeError) as e:
-        rlcore.setup.lr_lambda(cfg, 10)(5)
+        rlcore.run.setup.lr_lambda(cfg, 10)(5)
     assert re.fullmatch(r"\nrlcore: \(raised at rlcore/setup\.py:\d+ in f; RLCORE_TRACEBACK=1 prints the traceback\)",
                         internal_origin(e.value))
     with pytest.raises(ValueError) as e:
@@ -510,7 +510,7 @@ def test_an_error_rlcore_did_not_word_says_where_it_came_from_and_the_traceback_
     def broken(*args, **kwargs):
         return "x" * 0.5
 
-    monkeypatch.setattr(rlcore.setup, "lr_lambda", broken)
+    monkeypatch.setattr(rlcore.run.setup, "lr_lambda", broken)
     assert main(cli_args(tmp_path / "run", "train.max_steps=1")) == 1
     err = capsys.readouterr().err
     assert f"rlcore: error: can't multiply sequence by non-int of type 'float'\nrlcore: (raised at {__file__}:" in err

@@ -12,10 +12,13 @@ from pathlib import Path
 import pytest
 
 from rlcore import EMBEDDED_DEFAULT, RlcoreWarning
-from rlcore.config import RUN_CONFIG_HEADER
-from rlcore.config import Config, ConfigError, config_to_dict, dump_config, load_config, parse_override
-from rlcore.options import SECTIONS, field_docs, options_table
-from rlcore.validation import validate
+from rlcore.config.load import RUN_CONFIG_HEADER
+from rlcore import ConfigError
+from rlcore.config.load import config_from_dict, config_to_dict, dump_config, load_config, on_embedded_default, parse_override
+from rlcore.config.options import Config
+from rlcore.config.options import SECTIONS, field_docs
+from rlcore.config.values import options_table
+from rlcore.config.validation import validate
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -96,7 +99,7 @@ def test_steps_per_generation_defaults_to_gradient_accumulation_steps():
 
 def test_generation_batch_size_sets_steps_per_generation_for_the_world_size():
     """TRL's rule: steps_per_generation = generation_batch_size / (per_device_train_batch_size * ranks)."""
-    from rlcore.geometry import generation_steps
+    from rlcore.config.geometry import generation_steps
 
     base = ["train.per_device_train_batch_size=8", "train.gradient_accumulation_steps=2", "rollout.num_generations=4"]
     c = load_config(None, [*base, "generation_batch_size=32"])
@@ -134,7 +137,7 @@ def test_num_train_epochs_without_max_steps_means_count_the_epochs(tmp_path):
 
 
 def test_epoch_steps_counts_whole_rounds_as_trl_does():
-    from rlcore.geometry import epoch_steps
+    from rlcore.config.geometry import epoch_steps
 
     assert epoch_steps(256, 4, 1, 1.0) == 64
     assert epoch_steps(21, 2, 2, 1.5) == 30    # 10 whole rounds (the 21st prompt is dropped), 2 steps each
@@ -339,13 +342,13 @@ def test_every_option_of_trl_grpo_config_is_an_rlcore_option_or_explained():
     """TRL 1.16's GRPOConfig (with transformers' TrainingArguments) as the reference: no name of it
     is an "unknown config key" in rlcore."""
     trl = pytest.importorskip("trl", reason="TRL is the reference")
-    from rlcore import trl_compat
-    from rlcore.options import sections_with
-    from rlcore.trl_compat import FLAT_ALIASES
+    from rlcore.config import trl_names
+    from rlcore.config.options import sections_with
+    from rlcore.config.trl_names import FLAT_ALIASES
 
     names = [f.name for f in dataclasses.fields(trl.GRPOConfig)]
     assert len(names) > 150
-    unknown = [n for n in names if not (sections_with(n) or n in FLAT_ALIASES or trl_compat.explain(n, None) is not None)]
+    unknown = [n for n in names if not (sections_with(n) or n in FLAT_ALIASES or trl_names.explain(n, None) is not None)]
     assert unknown == []
 
 
@@ -384,7 +387,7 @@ def test_the_trl_table_names_only_trl_options_rlcore_lacks():
     """Every name in it is a field of TRL's GRPOConfig (a typo there would never match), and none
     is an rlcore field (it would never be consulted)."""
     trl = pytest.importorskip("trl")
-    from rlcore.trl_compat import LOSS_TYPES, TRL_ONLY
+    from rlcore.config.trl_names import LOSS_TYPES, TRL_ONLY
 
     theirs = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
     ours = {f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
@@ -401,7 +404,7 @@ def test_scale_rewards_bool_is_normalised():
 
 def test_dict_round_trip():
     c = load_config(None, ["loss.beta=0.04", "loss.delta=1.5", "rollout.stop=['\\n']"])
-    assert Config.from_dict(config_to_dict(c)) == c
+    assert config_from_dict(config_to_dict(c)) == c
 
 
 def test_dump_config_reads_back_equal(tmp_path):
@@ -493,7 +496,7 @@ def test_a_wrong_type_suggests_the_options_default_and_a_quoted_number_is_named(
 
 def test_bool_is_not_accepted_as_int():
     with pytest.raises(ConfigError, match=r"train\.max_steps = True has type bool, expected an int"):
-        Config.from_dict({"train": {"max_steps": True}})
+        config_from_dict({"train": {"max_steps": True}})
 
 
 def test_bad_choice_lists_valid_choices():
@@ -696,7 +699,7 @@ def test_schedules_are_transformers_after_the_warmup_and_start_above_zero(kind, 
     import torch
     from transformers import get_scheduler
 
-    from rlcore.setup import lr_lambda
+    from rlcore.run.setup import lr_lambda
 
     total = 20
     table = "{" + ", ".join(f"{k} = {v}" for k, v in kwargs.items()) + "}"
@@ -868,29 +871,29 @@ def test_a_reward_function_listed_twice_is_an_error():
 
 
 def test_an_empty_config_file_warns_that_it_sets_nothing(tmp_path):
-    with pytest.warns(UserWarning, match=r"sets nothing: the run is the embedded default \(rlcore/default.toml\)"):
+    with pytest.warns(UserWarning, match=r"sets nothing: the run is the embedded default \(rlcore/config/default.toml\)"):
         assert load_config(write(tmp_path, "# to do\n"), []) == load_config(str(EMBEDDED_DEFAULT), [])
     with pytest.warns(UserWarning, match=r"sets nothing: the run is rlcore's defaults \(rlcore options\) with the "):
         c = load_config(write(tmp_path, "\n"), ["model.path=/ckpt/qwen"])
-    assert c.base is None and c.train.learning_rate == 1e-6  # TRL's default, for a real model
+    assert not on_embedded_default(write(tmp_path, "\n"), ["model.path=/ckpt/qwen"]) and c.train.learning_rate == 1e-6  # TRL's default, for a real model
 
 
 def test_a_config_without_a_model_builds_on_the_embedded_default(tmp_path):
     # No model.path: the embedded tiny model, so the keys the file leaves unset are the default
     # run's (TRL's defaults would build another embedded model and train it with lr 1e-6 for 512 tokens).
     embedded = load_config(str(EMBEDDED_DEFAULT), [])
-    assert embedded.base is None
+    assert not on_embedded_default(str(EMBEDDED_DEFAULT), [])
     c = load_config(write(tmp_path, "[loss]\npolicy_loss = 'sapo'\n"), [])
-    assert c.base == str(EMBEDDED_DEFAULT) and c.loss.policy_loss == "sapo"
+    assert on_embedded_default(write(tmp_path, "[loss]\npolicy_loss = 'sapo'\n"), []) and c.loss.policy_loss == "sapo"
     assert dataclasses.replace(c, loss=embedded.loss) == embedded  # everything else is the default run's
     assert load_config(write(tmp_path, "num_iterations = 2\n[model]\npath = ''\n"), []).train.max_steps == 300
-    assert load_config(write(tmp_path, "[model]\npath = 'embedded'\n"), []).base == str(EMBEDDED_DEFAULT)  # as ""
+    assert on_embedded_default(write(tmp_path, "[model]\npath = 'embedded'\n"), [])  # as ""
     t = load_config(write(tmp_path, "num_train_epochs = 2\n"), []).train  # the file counts epochs
     assert (t.max_steps, t.num_train_epochs, t.learning_rate) == (-1, 2.0, 1e-4)
     # A model named in the file or with --set: TRL's defaults under the file, as for any real model.
     for file, sets in (("model_name_or_path = '/ckpt/qwen'\n", []), ("beta = 0.0\n", ["model.path=/ckpt/qwen"])):
         c = load_config(write(tmp_path, file), sets)
-        assert c.base is None and (c.train.learning_rate, c.rollout.max_completion_length) == (1e-6, 512)
+        assert not on_embedded_default(write(tmp_path, file), sets) and (c.train.learning_rate, c.rollout.max_completion_length) == (1e-6, 512)
     # A run's own config.toml is complete: read as it is.
     run_toml = tmp_path / "config.toml"
     run_toml.write_text(RUN_CONFIG_HEADER + dump_config(Config()))
@@ -914,15 +917,15 @@ def test_bf16_weights_warn_that_small_updates_are_lost():
 
 
 def test_the_configs_policy_loss_names_are_the_loss_zoos():
-    from rlcore.options import LossArgs
+    from rlcore.config.options import LossArgs
     from rlcore.losses.policy import LOSSES
 
     assert typing.get_args(typing.get_type_hints(LossArgs)["policy_loss"]) == LOSSES
 
 
 def test_the_task_choices_are_the_tasks_there_are():
-    from rlcore.options import DataArgs
-    from rlcore.tasks import TASK_REWARD, TASKS
+    from rlcore.config.options import DataArgs
+    from rlcore.data.tasks import TASK_REWARD, TASKS
 
     assert typing.get_args(typing.get_type_hints(DataArgs)["task"]) == (*TASKS, "jsonl")
     assert set(TASK_REWARD) == {*TASKS, "jsonl"}
@@ -943,7 +946,7 @@ def test_epsilon_zero_is_one_error_not_also_epsilon_highs_derived_from_it():
 
 
 def test_with_absolute_paths_makes_the_set_path_options_absolute_and_leaves_the_rest(tmp_path, monkeypatch):
-    from rlcore.config import with_absolute_paths
+    from rlcore.config.load import with_absolute_paths
 
     monkeypatch.chdir(tmp_path)
     cfg = load_config(None, ["model.path=ckpt/qwen", "data.task=jsonl", "data.path=data/train.jsonl"])

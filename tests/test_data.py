@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from rlcore import RlcoreWarning
-from rlcore.data import DataError, encode_prompts, format_prompt, load_examples, load_jsonl
-from rlcore.options import DataArgs
+from rlcore.data.datasets import DataError, encode_prompts, format_prompt, load_examples, load_jsonl
+from rlcore.config.options import DataArgs
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -29,7 +29,7 @@ def write_jsonl(tmp_path, rows, name="data.jsonl") -> str:
 def char_tokenizer(tmp_path):
     """Factory: rlcore's Tokenizer over one token per printable character, with or without a chat template."""
     tokenizers = pytest.importorskip("tokenizers")
-    from rlcore.tokenizer import Tokenizer
+    from rlcore.models.tokenizer import Tokenizer
 
     def build(chat_template: str | None = None) -> Tokenizer:
         path = tmp_path / ("chat" if chat_template else "plain")

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import exit_spawned_rank
-from rlcore.distributed import average_gradients
+from rlcore.parallel.collectives import average_gradients
 
 
 def model_with_grads(rank: int) -> torch.nn.Module:
@@ -78,9 +78,9 @@ def _embedded_dir_on_rank(rank, init_file, out_dir, cache):
         return path
 
     os.environ["RLCORE_CACHE"] = cache
-    rlcore.setup.build_embedded_model = build
+    rlcore.run.setup.build_embedded_model = build
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    rlcore.setup.embedded_model_dir(load_config(None, []), rank, 2)
+    rlcore.run.setup.embedded_model_dir(load_config(None, []), rank, 2)
     dist.destroy_process_group()
 
 
@@ -93,9 +93,9 @@ def test_rank_0_builds_the_embedded_model_while_the_others_wait(tmp_path):
 
 LEAVE = """
 import atexit, sys
-from rlcore import distributed
-assert distributed.leave(5) == 5  # no process group in this process: the status comes back
-distributed._ended_group = True  # as after close() under torchrun
+from rlcore.parallel import collectives
+assert collectives.leave(5) == 5  # no process group in this process: the status comes back
+collectives._ended_group = True  # as after close() under torchrun
 atexit.register(lambda: print("atexit handler ran"))
 print("output before", end="")
 distributed.leave(3)

@@ -6,15 +6,15 @@ fraction of a second."""
 
 import pytest
 
-import rlcore.embedded
+import rlcore.models.embedded
 import rlcore.train
 from rlcore.cli import DEFAULT_CONFIG
 from rlcore.config import load_config
-from rlcore.embedded import build_embedded_model
-from rlcore.tasks import unique_problems
+from rlcore.models.embedded import build_embedded_model
+from rlcore.data.tasks import unique_problems
 
 POOL = unique_problems("arithmetic", 20, 0)
-DEFAULT = "embedded-arithmetic-v2-seed0-eval200"  # rlcore/default.toml's data.seed and data.num_eval
+DEFAULT = "embedded-arithmetic-v2-seed0-eval200"  # rlcore/config/default.toml's data.seed and data.num_eval
 
 
 def finished_model(cache, name=DEFAULT):
@@ -31,7 +31,7 @@ def sft_raising(error):
 @pytest.mark.parametrize("error", [RuntimeError("out of memory"), KeyboardInterrupt()],
                          ids=["exception", "ctrl-c"])
 def test_a_build_that_fails_or_is_interrupted_leaves_no_build_directory(tmp_path, monkeypatch, error):
-    monkeypatch.setattr(rlcore.embedded, "sft", sft_raising(error))
+    monkeypatch.setattr(rlcore.models.embedded, "sft", sft_raising(error))
     with pytest.raises(type(error)):
         build_embedded_model(tmp_path / "embedded", POOL, threads=1)
     assert list(tmp_path.iterdir()) == []
@@ -43,7 +43,7 @@ def test_a_failed_build_keeps_the_finished_models_and_the_other_builders_directo
     other = tmp_path / "embedded-arithmetic-v2-seed0-eval8.build-7"  # another process's, at work
     other.mkdir()
     (other / "tokenizer.json").write_text("{}")
-    monkeypatch.setattr(rlcore.embedded, "sft", sft_raising(RuntimeError("out of memory")))
+    monkeypatch.setattr(rlcore.models.embedded, "sft", sft_raising(RuntimeError("out of memory")))
     with pytest.raises(RuntimeError):
         build_embedded_model(tmp_path / "embedded-arithmetic-v2-seed0-eval8", POOL, threads=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == [DEFAULT, other.name]
@@ -52,7 +52,7 @@ def test_a_failed_build_keeps_the_finished_models_and_the_other_builders_directo
 
 
 def test_a_build_whose_sft_finishes_creates_the_cache_and_leaves_only_the_model_there(tmp_path, monkeypatch):
-    monkeypatch.setattr(rlcore.embedded, "sft", lambda *args, **kwargs: None)
+    monkeypatch.setattr(rlcore.models.embedded, "sft", lambda *args, **kwargs: None)
     path = build_embedded_model(tmp_path / "cache" / "embedded", POOL, threads=1)
     assert [p.name for p in (tmp_path / "cache").iterdir()] == ["embedded"]
     assert (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file()
@@ -61,10 +61,10 @@ def test_a_build_whose_sft_finishes_creates_the_cache_and_leaves_only_the_model_
 # ---- why a run builds a model of its own
 
 def built_by_the_run(cache, monkeypatch, capsys, *overrides):
-    """What embedded_model_dir prints for a run with `overrides` on rlcore/default.toml (the build stubbed)."""
+    """What embedded_model_dir prints for a run with `overrides` on rlcore/config/default.toml (the build stubbed)."""
     monkeypatch.setenv("RLCORE_CACHE", str(cache))
-    monkeypatch.setattr(rlcore.setup, "build_embedded_model", lambda path, pool, task: path)
-    rlcore.setup.embedded_model_dir(load_config(DEFAULT_CONFIG, list(overrides)))
+    monkeypatch.setattr(rlcore.run.setup, "build_embedded_model", lambda path, pool, task: path)
+    rlcore.run.setup.embedded_model_dir(load_config(DEFAULT_CONFIG, list(overrides)))
     return capsys.readouterr().out
 
 

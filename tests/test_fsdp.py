@@ -1,4 +1,4 @@
-"""train.fsdp over 2 gloo processes (rlcore.sharding): FSDP trains as one process with micro-batches
+"""train.fsdp over 2 gloo processes (rlcore.parallel.fsdp): FSDP trains as one process with micro-batches
 twice as large and as the replicated mode does; its sharded checkpoints resume exactly, survive a
 SIGKILL during a save, resume on one rank, and export the full model.
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rlcore.cli import main
-from rlcore.rundir import sharded_model
+from rlcore.run.rundir import sharded_model
 from test_distributed import FIXED_ROLLOUT
 from test_train import rows, torchrun, weights, without_timing
 from test_train_hf import write_gsm8k
@@ -48,7 +48,7 @@ sys.exit(main(sys.argv[1:]))
 def setting(tmp_path_factory):
     """A tiny Qwen2 checkpoint, 32 prompts and the scripts every run of this file uses."""
     from conftest import save_model_for_tokenizer
-    from rlcore.tokenizer import Tokenizer
+    from rlcore.models.tokenizer import Tokenizer
     from test_tokenizer import qwen2_pipeline_checkpoint
 
     root = tmp_path_factory.mktemp("fsdp")
@@ -216,10 +216,10 @@ def test_rlcore_export_gathers_a_sharded_checkpoint_into_a_hugging_face_model(se
         assert (exported[name] - init[name] - moved).norm() <= 1e-3 * moved.norm(), name
 
 
-# ---- rlcore.sharding in 2 spawned gloo processes, on a tiny random model ----
+# ---- rlcore.parallel.fsdp in 2 spawned gloo processes, on a tiny random model ----
 
 def tiny_model(tied: bool, dtype=torch.float64) -> "Transformer":
-    from rlcore.model import ModelConfig, Transformer
+    from rlcore.models.transformer import ModelConfig, Transformer
 
     torch.manual_seed(0)
     cfg = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -251,13 +251,13 @@ def _sharded_steps_on_rank(rank, init_file, out_dir):
 
 
 def sharded_step(rank: int, tied: bool, bf16: bool) -> tuple:
-    from rlcore import sharding
+    from rlcore.parallel import fsdp
     from rlcore.forward import SharedPrompts, completion_logprobs
     from rlcore.losses.logprobs import token_logprobs
 
     model = tiny_model(tied, torch.float32 if bf16 else torch.float64)
-    engine = sharding.EngineCopy(model)
-    sharding.shard(model, 2, torch.device("cpu"), bf16=bf16)
+    engine = fsdp.EngineCopy(model)
+    fsdp.shard(model, 2, torch.device("cpu"), bf16=bf16)
     amp = torch.bfloat16 if bf16 else None  # the loop's autocast, as with train.bf16
     ids, attn = rows_sharing_prompts()
     mine = slice(4 * rank, 4 * rank + 4)
@@ -273,11 +273,11 @@ def sharded_step(rank: int, tied: bool, bf16: bool) -> tuple:
     logps = []
     for j, mb in enumerate((slice(4 * rank, 4 * rank + 2), slice(4 * rank + 2, 4 * rank + 4)), 1):
         logp, _ = completion_logprobs(model, ids[mb], attn[mb], 4, ids[mb, 4:], 1.0, amp, shared)
-        sharding.sync_gradients(model, last=False)
+        fsdp.sync_gradients(model, last=False)
         logp.sum().backward()
         logps.append(logp.detach())
     reduced_early = any(p.grad is not None for p in model.parameters())  # a reduce-scatter sets the shards' grads
-    sharding.sync_gradients(model, last=True)
+    fsdp.sync_gradients(model, last=True)
     shared.backward()
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}  # the master shards' dtype
     with engine.gathered(model) as plain:

@@ -21,11 +21,11 @@ import rlcore.rollout.engine as engine
 import rlcore.rollout.graphs as graphs
 from conftest import make_hf_model
 from rlcore import cuda
-from rlcore.checkpoint import load_model
+from rlcore.models.hf_checkpoint import load_model
 from rlcore.config import load_config
 from rlcore.losses.logprobs import token_logprobs
 from rlcore.rollout import generate
-from rlcore.tokenizer import Tokenizer
+from rlcore.models.tokenizer import Tokenizer
 from rlcore.train import train
 from test_logprobs import naive_fp64
 from test_rollout import (PAD, assert_same_rollout, random_prompts, rlcore_model, spied_bf16_rollout,

@@ -1,4 +1,4 @@
-"""LoRA adapters (rlcore.lora) against PEFT, the format's reference: adapters rlcore writes load in
+"""LoRA adapters (rlcore.models.lora) against PEFT, the format's reference: adapters rlcore writes load in
 PEFT with rlcore's logits and PEFT's load in rlcore with PEFT's; what trains, the KL reference,
 the merged export and the errors. Tiny random checkpoints, built at test time."""
 
@@ -11,9 +11,8 @@ import torch
 import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from rlcore.checkpoint import CheckpointError, load_model, save_model
-from rlcore.lora import (TARGETS, adapter_state_dict, apply_lora, keep_as_reference, load_adapter, lora_parameters,
-                         merge_lora, reference_adapters, save_adapter)
+from rlcore.models.hf_checkpoint import CheckpointError, load_model, save_model
+from rlcore.models.lora import TARGETS, adapter_state_dict, apply_lora, keep_as_reference, load_adapter, lora_parameters, merge_lora, reference_adapters, save_adapter
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
 FP32 = dict(atol=1e-5, rtol=0)  # fp32 logits of O(1): the same sums in another order stay well inside

@@ -73,9 +73,9 @@ def test_a_lora_run_resumed_from_its_checkpoint_equals_an_uninterrupted_one(tmp_
 
 def test_export_merges_the_adapters_into_a_checkpoint_transformers_loads(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from rlcore.checkpoint import load_model
-    from rlcore.lora import load_adapter
-    from rlcore.tokenizer import Tokenizer
+    from rlcore.models.hf_checkpoint import load_model
+    from rlcore.models.lora import load_adapter
+    from rlcore.models.tokenizer import Tokenizer
 
     run, out = tmp_path / "run", tmp_path / "merged"
     train(config(run, "train.max_steps=2", *LORA))

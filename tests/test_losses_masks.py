@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlcore import distributed
+from rlcore.parallel import collectives
 from rlcore.losses.aggregate import aggregate_loss
 from rlcore.losses.masks import entropy_mask, mask_truncated, tis_weights
 from rlcore.losses.metrics import rollout_mismatch
@@ -63,7 +63,7 @@ def _entropy_mask_on_rank(rank, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     entropy = [torch.tensor([[0.1, 0.2, 0.3]]), torch.tensor([[0.4, 0.5, 0.6, 0.7, 0.8]])][rank]
     kept = entropy_mask(entropy, torch.ones_like(entropy), top_entropy_quantile=0.5,
-                        gather=lambda x: distributed.gather_uneven(x, 2))
+                        gather=lambda x: collectives.gather_uneven(x, 2))
     torch.save(kept, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
 

@@ -26,7 +26,7 @@ import torch
 from conftest import toml_value
 from rlcore.config import load_config
 from rlcore.losses import EntropyBonus, PolicyLossOptions, aggregate_loss, compute_advantages, entropy_mask, policy_loss
-from rlcore.rewards import get_reward_funcs, score_completions
+from rlcore.rewards.scoring import get_reward_funcs, score_completions
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")

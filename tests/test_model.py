@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import FAMILIES, LLAMA3_ROPE
-from rlcore.checkpoint import CheckpointError, load_model
-from rlcore.model import KVCache, ModelConfig, mix_into, padded_causal_mask, rope_inv_freq
+from rlcore.models.hf_checkpoint import CheckpointError, load_model
+from rlcore.models.transformer import KVCache, ModelConfig, mix_into, padded_causal_mask, rope_inv_freq
 
 PADDED_TOL = 1e-6  # a left-padded batch runs attention with a mask, rounded otherwise (measured: 6e-8)
 

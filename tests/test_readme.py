@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlcore.options import options_table
+from rlcore.config.values import options_table
 
 ROOT = Path(__file__).parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

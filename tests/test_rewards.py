@@ -5,9 +5,8 @@ import sys
 
 import pytest
 
-from rlcore.answers import (REWARDS, accuracy, check_countdown, countdown, evaluate_expression, extract_answer,
-                            format_reward)
-from rlcore.rewards import check_reward_funcs, dataset_columns, get_reward_funcs, reward_inputs, score_completions
+from rlcore.rewards.answers import REWARDS, accuracy, check_countdown, countdown, evaluate_expression, extract_answer, format_reward
+from rlcore.rewards.scoring import check_reward_funcs, dataset_columns, get_reward_funcs, reward_inputs, score_completions
 
 
 @pytest.mark.parametrize("text, answer", [
@@ -72,7 +71,7 @@ def test_accuracy_compares_a_raw_gsm8k_answer_or_number_by_its_final_number():
 
 
 def test_the_loops_accuracy_reads_the_column_data_answer_column_names():
-    from rlcore.rewards import get_reward_funcs
+    from rlcore.rewards.scoring import get_reward_funcs
 
     columns = {"answer": ["7", "7"], "ground_truth": ["#### 3", "#### 4"]}
     (on_truth,), (on_none,) = get_reward_funcs(["accuracy"], "ground_truth"), get_reward_funcs(["accuracy"], "")
@@ -82,7 +81,7 @@ def test_the_loops_accuracy_reads_the_column_data_answer_column_names():
 
 
 def test_trainer_state_has_the_fields_reward_functions_read_and_names_them_for_another():
-    from rlcore.rewards import RewardState
+    from rlcore.rewards.scoring import RewardState
 
     state = RewardState(global_step=3, max_steps=10, epoch=0.5, num_train_epochs=2.0)
     assert (state.global_step, state.max_steps, state.epoch, state.num_train_epochs) == (3, 10, 0.5, 2.0)
@@ -186,7 +185,7 @@ def test_get_reward_funcs_returns_registry_entries():
 
 
 def test_get_reward_funcs_loads_module_function():
-    assert get_reward_funcs(["rlcore.answers:accuracy"]) == [accuracy]
+    assert get_reward_funcs(["rlcore.rewards.answers:accuracy"]) == [accuracy]
 
 
 def test_get_reward_funcs_unknown_name_lists_valid_names():

@@ -10,7 +10,7 @@ import torch
 
 from conftest import make_hf_model
 import rlcore.rollout.engine as engine
-from rlcore.model import KVCache, ModelConfig, Transformer, padded_causal_mask, rope_inv_freq
+from rlcore.models.transformer import KVCache, ModelConfig, Transformer, padded_causal_mask, rope_inv_freq
 from rlcore.rollout import Rollout, generate
 from rlcore.rollout.engine import forward_one_token, matmul_weights_in, prefill
 from rlcore.rollout.packed import PackedDecoder
@@ -524,7 +524,7 @@ def test_decoding_on_cuda_leaves_cudnn_attention_out():
 def test_matmul_weights_in_swaps_lora_layers_for_their_merged_weights_and_back():
     """Inside the block a decoding step meets no adapter path: each LoRA layer is a plain linear
     holding W + s*B@A in the rollout's dtype; after it, the model's own modules are back."""
-    from rlcore.lora import LoraLinear, apply_lora, lora_layers
+    from rlcore.models.lora import LoraLinear, apply_lora, lora_layers
     model = rlcore_model(make_hf_model("qwen2"))
     apply_lora(model, r=4, alpha=8)
     for layer in lora_layers(model).values():

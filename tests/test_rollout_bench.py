@@ -4,7 +4,7 @@ taken from rlcore's own model and KV cache."""
 import pytest
 import torch
 
-from rlcore.model import KVCache, ModelConfig, Transformer
+from rlcore.models.transformer import KVCache, ModelConfig, Transformer
 from test_bench import bench_module
 
 

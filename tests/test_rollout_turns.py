@@ -202,7 +202,8 @@ def test_tool_turns_append_what_trls_tool_loop_appends_and_count_per_row(tmp_pat
     and failure counts equal one round of TRL's _tool_call_loop on the same turn; a next turn without
     calls (the earlier calls are still in the completion) ends the row."""
     from test_tools import LLAMA_ROUNDS, QWEN_ROUNDS, add, checkpoint, describe, divide, trl_tool_round
-    from rlcore.tools import Toolbox, ToolTurns
+    from rlcore.tools.toolbox import Toolbox
+    from rlcore.tools.turns import ToolTurns
 
     ours, ref = checkpoint(tmp_path, template)
     texts = list((QWEN_ROUNDS if template == "qwen2_5" else LLAMA_ROUNDS).values())
@@ -240,7 +241,8 @@ class Counter:
 
 def test_tool_turns_call_each_row_s_own_environment(tmp_path):
     from test_tools import checkpoint
-    from rlcore.tools import Toolbox, ToolTurns
+    from rlcore.tools.toolbox import Toolbox
+    from rlcore.tools.turns import ToolTurns
 
     ours, _ = checkpoint(tmp_path, "qwen2_5")
     toolbox = Toolbox([], environment_factory=Counter)

@@ -6,10 +6,10 @@ import types
 import pytest
 import torch
 
-import rlcore.runlog
+import rlcore.run.steplog
 from conftest import exit_spawned_rank
 from rlcore.losses.policy import PolicyLossOptions, policy_loss
-from rlcore.runlog import Progress, drop_rows_after, log_completions, log_line, reduce_metrics
+from rlcore.run.steplog import Progress, drop_rows_after, log_completions, log_line, reduce_metrics
 
 
 def test_step_metrics_weight_micro_batches_by_active_tokens():
@@ -97,7 +97,7 @@ def test_the_progress_line_names_kl_old_and_with_a_reference_kl_ref():
 
 def test_progress_is_silent_for_quick_work_then_reports_at_most_once_per_interval(monkeypatch, capsys):
     now = [100.0]
-    monkeypatch.setattr(rlcore.runlog, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(rlcore.run.steplog, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     progress, quiet = Progress("step 3 update"), Progress("step 3 update", enabled=False)  # rank 0, another rank
     for t, what in [(5, "a"), (9.9, "b"), (10.5, "c"), (15, "d"), (20.4, "e"), (20.6, "f"), (45, "g")]:
         now[0] = 100.0 + t

@@ -8,8 +8,8 @@ from rlcore's plain forward pass. Sharing must change neither.
 import pytest
 import torch
 
-from rlcore.checkpoint import load_model
-from rlcore.model import PrefixKV
+from rlcore.models.hf_checkpoint import load_model
+from rlcore.models.transformer import PrefixKV
 from rlcore.forward import SharedPrompts, completion_hidden, completion_logprobs, pack
 
 # Three prompts of different lengths, repeated unevenly, with ragged completions.
@@ -223,7 +223,7 @@ def test_gradient_checkpointing_frees_layer_activations_and_runs_layers_again(on
     a second time; without it they stay alive until backward and each layer runs once."""
     import weakref
 
-    from rlcore.model import Block
+    from rlcore.models.transformer import Block
 
     model = load_model(hf_checkpoint("qwen2")[0])
     model.gradient_checkpointing = on

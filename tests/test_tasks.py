@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from rlcore.answers import REWARDS
-from rlcore.tasks import TASK_REWARD, TASKS, arithmetic_problems, make_task, train_eval_split, unique_problems
+from rlcore.rewards.answers import REWARDS
+from rlcore.data.tasks import TASK_REWARD, TASKS, arithmetic_problems, make_task, train_eval_split, unique_problems
 
 
 def score(task: str, examples: list[dict], completions: list[str]) -> list:

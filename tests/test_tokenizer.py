@@ -1,9 +1,9 @@
-"""rlcore.tokenizer against transformers' AutoTokenizer on the same files.
+"""rlcore.models.tokenizer against transformers' AutoTokenizer on the same files.
 
 Each test builds a tiny byte-level BPE with the `tokenizers` library, saves it the way transformers
 does (PreTrainedTokenizerFast.save_pretrained) and checks that rlcore reads the same ids, text,
 special tokens and chat-template renderings as AutoTokenizer.from_pretrained(dir). The prompts the
-loop builds (rlcore.data.format_prompt) are checked against TRL's maybe_apply_chat_template too.
+loop builds (rlcore.data.datasets.format_prompt) are checked against TRL's maybe_apply_chat_template too.
 
 tests/chat_templates/ holds the real templates, byte for byte as the model repos ship them (copied
 from TRL's trl/chat_templates): Qwen2.5 Instruct, Llama 3 Instruct and Llama 3.1 Instruct.
@@ -18,8 +18,8 @@ import torch
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from rlcore.data import format_prompt
-from rlcore.tokenizer import Tokenizer, check_vocab_fits
+from rlcore.data.datasets import format_prompt
+from rlcore.models.tokenizer import Tokenizer, check_vocab_fits
 
 transformers = pytest.importorskip("transformers", reason="transformers is the reference tokenizer")
 
@@ -489,7 +489,7 @@ def test_chat_template_argument_overrides_the_checkpoints(tmp_path):
     assert ours.apply_chat_template(MESSAGES[1:2], chat_template="Q: {{ messages[0].content }}") == "Q: What is 2 + 2?  "
 
 
-# ---- prompts as the loop formats them (rlcore.data.format_prompt) ------------------------------
+# ---- prompts as the loop formats them (rlcore.data.datasets.format_prompt) ------------------------------
 
 PROMPTS = {
     "user": [{"role": "user", "content": "40+28="}],

@@ -1,4 +1,4 @@
-"""Tools and environments (rlcore.tool_schema, rlcore.tool_calls, rlcore.tools) against their
+"""Tools and environments (rlcore.tools.schema, rlcore.tools.calls, rlcore.tools) against their
 references: transformers' get_json_schema and apply_chat_template(tools=...) for the schemas and
 the rendered prompts, and TRL 1.16's GRPOTrainer for parsing calls (parse_response with its
 response templates), running them (`_tool_call_loop`: tool results, error texts, counts, the
@@ -17,11 +17,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlcore.tokenizer import Tokenizer
-from rlcore.tool_calls import ToolCall, parse_tool_calls, tool_call_format, typed_value
-from rlcore.tool_schema import ToolSchemaError, tool_schema
-from rlcore.tools import (Toolbox, ToolTurns, environment_tools, load_environment_factory, load_tool, reset_environment,
-                          run_tool_calls, tool_messages, tool_suffix_ids)
+from rlcore.models.tokenizer import Tokenizer
+from rlcore.tools.calls import ToolCall, parse_tool_calls, tool_call_format, typed_value
+from rlcore.tools.schema import ToolSchemaError, tool_schema
+from rlcore.tools.toolbox import Toolbox, environment_tools, load_environment_factory, load_tool, reset_environment, run_tool_calls, tool_messages
+from rlcore.tools.turns import ToolTurns, tool_suffix_ids
 from test_tokenizer import TEMPLATES, llama_checkpoint, qwen_checkpoint
 
 transformers = pytest.importorskip("transformers", reason="transformers is the reference")
@@ -718,7 +718,7 @@ def test_importing_the_tool_modules_does_not_import_transformers_or_trl():
     import subprocess
     import sys
 
-    code = ("import sys, rlcore.tools, rlcore.tool_calls, rlcore.tool_schema; "
+    code = ("import sys, rlcore.tools, rlcore.tools.calls, rlcore.tools.schema; "
             "print(sorted(m for m in ('transformers', 'trl') if m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "[]"

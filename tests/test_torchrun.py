@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlcore import distributed
+from rlcore.parallel import collectives
 from rlcore.cli import main
-from rlcore.embedded import build_embedded_model
-from rlcore.rewards import RewardFunctionError, score_completions
-from rlcore.tasks import unique_problems
+from rlcore.models.embedded import build_embedded_model
+from rlcore.rewards.scoring import RewardFunctionError, score_completions
+from rlcore.data.tasks import unique_problems
 from rlcore.train import train
 from conftest import exit_spawned_rank
 from test_train import aggregate_nan_on, cli_args, config, rows
@@ -29,11 +29,11 @@ def _raise_together_on_rank(rank, init_file, out):
         error = RewardFunctionError("reward function f raised KeyError: 'x' on sample 6")
         error.trace = "Traceback of the reward function (most recent call last):\n  ...\n"
     try:
-        distributed.raise_together(error, 2)
+        collectives.raise_together(error, 2)
         out[rank] = None
     except RewardFunctionError as e:
         out[rank] = (str(e), e.trace)
-    distributed.raise_together(None, 2)  # nobody failed: nothing raised
+    collectives.raise_together(None, 2)  # nobody failed: nothing raised
     dist.destroy_process_group()
     exit_spawned_rank()  # conftest: gloo's last collective could abort the process at exit
 
@@ -77,7 +77,7 @@ def test_more_ranks_than_gpus_is_an_error_naming_both(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match=r"torchrun started local rank 1, but this machine has 1 CUDA device\(s\): "
                                          r"one rank per GPU, so --nproc_per_node=1 at most") as caught:
-        distributed.init(torch.device("cuda"))
+        collectives.init(torch.device("cuda"))
     assert caught.value.rank_local  # printed by the rank that met it (rank 0 has a GPU)
 
 

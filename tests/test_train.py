@@ -2,7 +2,7 @@
 
 Every run uses a tiny embedded model built once per session by a short SFT (a few seconds) and
 small batches (16 completions = 4 prompts x 4), so each run takes well under a second per step.
-Runs start from rlcore/default.toml, as the CLI does, with the overrides in `SMALL`; their reward is
+Runs start from rlcore/config/default.toml, as the CLI does, with the overrides in `SMALL`; their reward is
 `first_digit`, which varies within almost every group, so every step has a gradient.
 """
 
@@ -20,17 +20,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import rlcore.runlog
+import rlcore.run.steplog
 import rlcore.train
 from rlcore.cli import DEFAULT_CONFIG, main
 from rlcore.config import load_config
-from rlcore.data import DataError
-from rlcore.embedded import build_embedded_model
-from rlcore.state import read_state
-from rlcore.tokenizer import Tokenizer
-from rlcore.checkpoint import load_model
-from rlcore.rundir import latest_checkpoint
-from rlcore.tasks import unique_problems
+from rlcore.data.datasets import DataError
+from rlcore.models.embedded import build_embedded_model
+from rlcore.run.state import read_state
+from rlcore.models.tokenizer import Tokenizer
+from rlcore.models.hf_checkpoint import load_model
+from rlcore.run.rundir import latest_checkpoint
+from rlcore.data.tasks import unique_problems
 from rlcore.train import train
 
 from conftest import EMBEDDED_NUM_EVAL as NUM_EVAL, EMBEDDED_SEED as SEED, exit_spawned_rank
@@ -329,7 +329,7 @@ def test_max_grad_norm_zero_means_no_clipping(tmp_path, embedded_dir):
 def record_step_gradients(monkeypatch) -> list[torch.Tensor]:
     """Make the loop's optimizer record, at each step, the gradient it steps with (after the
     averaging over ranks and the clipping), as one flat fp64 vector."""
-    seen, real = [], rlcore.setup.adamw
+    seen, real = [], rlcore.run.setup.adamw
 
     def adamw(model, tc):
         opt = real(model, tc)
@@ -337,7 +337,7 @@ def record_step_gradients(monkeypatch) -> list[torch.Tensor]:
             [p.grad.reshape(-1).double() for g in o.param_groups for p in g["params"] if p.grad is not None])))
         return opt
 
-    monkeypatch.setattr(rlcore.setup, "adamw", adamw)
+    monkeypatch.setattr(rlcore.run.setup, "adamw", adamw)
     return seen
 
 
@@ -376,7 +376,7 @@ def test_gradient_checkpointing_trains_to_the_same_weights(tmp_path, monkeypatch
     # The model's recomputation is checked against per-row passes in test_shared_prompt.py; here
     # the loop turns it on (layers run twice: forward, and again in backward) and, on CPU in fp32
     # where the rerun gives the same numbers, ends at the same weights and metrics as without it.
-    from rlcore.model import Block
+    from rlcore.models.transformer import Block
 
     calls, forward = {"n": 0}, Block.forward
 
@@ -506,7 +506,7 @@ def test_reuse_freed_memory_keeps_large_tensors_on_the_heap(reuse):
     # reuse_freed_memory() in the heap, which keeps it after the free.
     code = f"""
 import ctypes, torch
-from rlcore.setup import reuse_freed_memory
+from rlcore.run.setup import reuse_freed_memory
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
                                                "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
@@ -715,10 +715,10 @@ def test_resume_drops_a_metrics_row_torn_by_the_crash(tmp_path, monkeypatch):
 
 HARNESS = """
 import pathlib, sys, time
-import rlcore.checkpoint
+import rlcore.models.hf_checkpoint
 from rlcore.cli import main
 
-real, calls = rlcore.checkpoint.save_file, []
+real, calls = rlcore.models.hf_checkpoint.save_file, []
 
 def save_file_then_hang(tensors, filename, metadata=None):
     calls.append(filename)
@@ -729,7 +729,7 @@ def save_file_then_hang(tensors, filename, metadata=None):
         pathlib.Path(sys.argv[1]).touch()
         time.sleep(600)
 
-rlcore.checkpoint.save_file = save_file_then_hang
+rlcore.models.hf_checkpoint.save_file = save_file_then_hang
 sys.exit(main(sys.argv[2:]))
 """
 
@@ -972,10 +972,10 @@ def test_no_held_out_answers_means_no_accuracy_rather_than_zero(tmp_path, embedd
 def test_the_embedded_warm_start_trains_on_a_fixed_thread_count(tmp_path, monkeypatch):
     """Whatever the process's count (torchrun sets OMP_NUM_THREADS=1), the SFT runs on 2 threads,
     so every first run builds the same model; the process's count is restored after."""
-    import rlcore.embedded
+    import rlcore.models.embedded
 
     seen = []
-    monkeypatch.setattr(rlcore.embedded, "sft", lambda *a, **k: seen.append(torch.get_num_threads()))
+    monkeypatch.setattr(rlcore.models.embedded, "sft", lambda *a, **k: seen.append(torch.get_num_threads()))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -1059,7 +1059,7 @@ def _evaluate_on_rank(rank, init_file, out_dir, model_dir):
     tok = Tokenizer.from_dir(model_dir)
     examples = doubling_examples(tok)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    rlcore.runlog.PROGRESS_AFTER_S = -1.0
+    rlcore.run.steplog.PROGRESS_AFTER_S = -1.0
     with contextlib.redirect_stdout(io.StringIO()) as printed:
         got = evaluate(load_model(model_dir), tok, examples, accuracy, 4, batch_size=4, rank=rank, world=2,
                        rewards=by_prompt_rewards())
@@ -1077,7 +1077,7 @@ def test_a_long_evaluation_reports_each_batch(embedded_dir, monkeypatch, capsys)
     examples, model = doubling_examples(tok), load_model(embedded_dir)
     assert evaluate(model, tok, examples, ends_even, 4, batch_size=4) == {"eval/accuracy": 6 / 11}
     assert capsys.readouterr().out == ""  # a second's evaluation says nothing
-    monkeypatch.setattr(rlcore.runlog, "PROGRESS_AFTER_S", -1.0)  # as if each batch took long
+    monkeypatch.setattr(rlcore.run.steplog, "PROGRESS_AFTER_S", -1.0)  # as if each batch took long
     got = evaluate(model, tok, examples, ends_even, 4, batch_size=4, rewards=by_prompt_rewards())
     assert got == pytest.approx({"eval/accuracy": 6 / 11, **BY_PROMPT, "eval/custom/batch": 11 / 3})  # 4, 4, 3
     lines = capsys.readouterr().out.splitlines()
@@ -1088,7 +1088,7 @@ def test_a_long_evaluation_reports_each_batch(embedded_dir, monkeypatch, capsys)
 def test_a_long_step_reports_its_rollout_log_prob_passes_and_micro_batches(tmp_path, monkeypatch, capsys):
     two_steps = ["train.max_steps=2", "train.gradient_accumulation_steps=2", "loss.num_iterations=2",
                  "loss.beta=0.04", "rollout.max_completion_length=20"]  # with old and ref log-prob passes
-    monkeypatch.setattr(rlcore.runlog, "PROGRESS_AFTER_S", -1.0)  # as if every phase took long
+    monkeypatch.setattr(rlcore.run.steplog, "PROGRESS_AFTER_S", -1.0)  # as if every phase took long
     train(config(tmp_path / "run", *two_steps))
     steps = [re.sub(r", \d+s$", "", ln) for ln in capsys.readouterr().out.splitlines()
              if ln.startswith(("step ", "  step"))]

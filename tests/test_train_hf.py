@@ -13,11 +13,11 @@ import torch
 
 from conftest import make_hf_model, rewrite_config
 from rlcore import RlcoreWarning
-from rlcore.checkpoint import load_model
+from rlcore.models.hf_checkpoint import load_model
 from rlcore.config import load_config
-from rlcore.data import format_prompt
-from rlcore.rewards import get_reward_funcs
-from rlcore.tokenizer import Tokenizer
+from rlcore.data.datasets import format_prompt
+from rlcore.rewards.scoring import get_reward_funcs
+from rlcore.models.tokenizer import Tokenizer
 from rlcore.train import train
 from test_tokenizer import llama_checkpoint
 
@@ -69,8 +69,8 @@ def test_loop_trains_an_hf_checkpoint_and_writes_one_transformers_loads(qwen_dir
     import rlcore.train
 
     # the loop's held-out scorer only (a copy: the config's check of the training rewards keeps the real table)
-    judge = {**rlcore.setup.TASK_REWARD, "jsonl": f"{__name__}:even_first_number"}
-    monkeypatch.setattr(rlcore.setup, "TASK_REWARD", judge)
+    judge = {**rlcore.run.setup.TASK_REWARD, "jsonl": f"{__name__}:even_first_number"}
+    monkeypatch.setattr(rlcore.run.setup, "TASK_REWARD", judge)
     HELD_OUT_SCORES.clear()
     run = tmp_path / "run"
     cfg = load_config(None, [
@@ -251,8 +251,8 @@ def test_weight_decay_skips_the_parameters_transformers_trainer_skips(family, hf
     (Qwen2's q/k/v), not norm weights (Qwen3's q_norm / k_norm too); the embedding and matrices."""
     from transformers import Trainer
 
-    from rlcore.options import TrainArgs
-    from rlcore.setup import adamw
+    from rlcore.config.options import TrainArgs
+    from rlcore.run.setup import adamw
 
     path, hf = hf_checkpoint(family)
     model = load_model(path)
@@ -294,8 +294,8 @@ def test_chat_template_kwargs_render_prompts_as_transformers_does(qwen_dir, gsm8
         assert ours == ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                return_dict=False, **kwargs)
         assert ("<think>" in tok.decode(ours)) == bool(kwargs)
-    seen, real = [], rlcore.setup.encode_prompts
-    monkeypatch.setattr(rlcore.setup, "encode_prompts", lambda *a: seen.append(a[5]) or real(*a))  # chat_template_kwargs
+    seen, real = [], rlcore.run.setup.encode_prompts
+    monkeypatch.setattr(rlcore.run.setup, "encode_prompts", lambda *a: seen.append(a[5]) or real(*a))  # chat_template_kwargs
     train(cfg)
     assert seen == [{"enable_thinking": False}] * 2  # the training and the held-out prompts
 
@@ -311,7 +311,7 @@ def test_num_train_epochs_gives_the_steps_trl_trains_for(prompts, b, ga, spg, mu
     trl = pytest.importorskip("trl", reason="TRL is the reference")
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from rlcore.geometry import epoch_steps, generation_steps
+    from rlcore.config.geometry import epoch_steps, generation_steps
 
     G = 4
     args = trl.GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=b, gradient_accumulation_steps=ga,
@@ -383,7 +383,7 @@ def test_trls_dtype_auto_trains_in_the_checkpoints_dtype(qwen_dir, gsm8k_file, t
 
 
 def test_dtype_auto_without_a_dtype_in_config_json_takes_the_weights_as_transformers_does(hf_checkpoint, tmp_path):
-    from rlcore.checkpoint import resolve_dtype
+    from rlcore.models.hf_checkpoint import resolve_dtype
 
     _, hf = hf_checkpoint("qwen2")
     path = tmp_path / "bf16"
@@ -396,7 +396,7 @@ def test_dtype_auto_without_a_dtype_in_config_json_takes_the_weights_as_transfor
 @pytest.mark.parametrize("stored, want", [("float32", "float32"), ("bfloat16", "bfloat16"), (None, "float32"),
                                           ("float16", "does not train in")])
 def test_resolve_dtype_reads_the_checkpoints_config(stored, want, hf_checkpoint):
-    from rlcore.checkpoint import CheckpointError, resolve_dtype
+    from rlcore.models.hf_checkpoint import CheckpointError, resolve_dtype
 
     path, _ = hf_checkpoint("qwen2")
     stored = {"torch_dtype": stored} if stored else {}  # the key of hub checkpoints written by transformers 4

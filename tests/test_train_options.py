@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import rlcore.train
-from rlcore.rundir import latest_checkpoint
+from rlcore.run.rundir import latest_checkpoint
 from rlcore.cli import main
 from rlcore.train import train
 from test_train import cli_args, config, rows, run_and_crash, torchrun, weights, without_timing
@@ -128,7 +128,7 @@ def test_sync_ref_model_with_a_reference_of_another_architecture_is_an_error_at_
 
 
 def test_a_missing_reference_checkpoint_is_named_as_model_ref_path(tmp_path):
-    from rlcore.checkpoint import CheckpointError
+    from rlcore.models.hf_checkpoint import CheckpointError
 
     with pytest.raises(CheckpointError, match=rf"^model\.ref_path: {tmp_path / 'nope'}"):
         train(config(tmp_path / "run", "train.max_steps=1", "loss.beta=0.04", f"model.ref_path={tmp_path / 'nope'}"))
@@ -276,7 +276,7 @@ def test_every_option_of_policy_loss_comes_from_the_configs_loss_section():
     import inspect
 
     from rlcore.losses.policy import PolicyLossOptions, policy_loss
-    from rlcore.options import LossArgs
+    from rlcore.config.options import LossArgs
 
     tensors = {"logp", "old", "advantages", "mask", "ref", "tis_weights", "entropy", "entropy_keep", "samp"}
     assert set(inspect.signature(policy_loss).parameters) - tensors == {"options"}

@@ -15,10 +15,10 @@ import rlcore.train
 from rlcore import ConfigError
 from rlcore.cli import DEFAULT_CONFIG
 from rlcore.config import load_config
-from rlcore.data import load_examples
-from rlcore.options import RolloutArgs
-from rlcore.setup import load_toolbox
-from rlcore.tokenizer import Tokenizer
+from rlcore.data.datasets import load_examples
+from rlcore.config.options import RolloutArgs
+from rlcore.run.setup import load_toolbox
+from rlcore.models.tokenizer import Tokenizer
 from rlcore.train import train
 
 from conftest import fixed_rollout, make_hf_model

@@ -102,7 +102,7 @@ class Thresholds:
 def run_rlcore(options: dict, model_dir, data, tmp_path, monkeypatch, thresholds: Thresholds | None = None):
     """rlcore's loop on the fixed completions; returns its prompts per round, metrics rows and weights."""
     import rlcore.train
-    from rlcore.tokenizer import Tokenizer
+    from rlcore.models.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
     rounds = []
@@ -173,7 +173,7 @@ def run_trl(options: dict, model_dir, rounds, tmp_path, monkeypatch):
 
 def with_family(qwen_dir, family: str):
     """qwen_dir's tokenizer with a tiny random model of `family` (conftest's FAMILIES)."""
-    from rlcore.tokenizer import Tokenizer
+    from rlcore.models.tokenizer import Tokenizer
 
     if family != "qwen2":
         save_model_for_tokenizer(qwen_dir, family, Tokenizer.from_dir(qwen_dir))

@@ -34,8 +34,8 @@ import torch
 
 from conftest import make_hf_model, toml_value, token_reward
 from rlcore.config import load_config
-from rlcore.tokenizer import Tokenizer
-from rlcore.tools import tool_suffix_ids
+from rlcore.models.tokenizer import Tokenizer
+from rlcore.tools.turns import tool_suffix_ids
 from test_tokenizer import qwen2_pipeline_checkpoint
 from test_train_trl import MARGIN, Thresholds, shuffle_as_rlcore
 
@@ -206,7 +206,7 @@ def run_rlcore(options: dict, model_dir, script: Script, tmp_path, monkeypatch, 
     messages), each round's (prompt ids, completion ids, tool mask) per row, each micro-batch's
     loss, the metrics rows and the trained weights."""
     import rlcore.rollout
-    import rlcore.setup
+    import rlcore.run.setup
     import rlcore.train
 
     data = chat_data(tmp_path / "prompts.jsonl")
@@ -221,7 +221,7 @@ def run_rlcore(options: dict, model_dir, script: Script, tmp_path, monkeypatch, 
                              [m[:k].tolist() for m, k in zip(ro.tool_mask, n)]))
             return ro
 
-        real_turns, real_aggregate = rlcore.setup.Run.tool_turns, rlcore.train.aggregate_loss
+        real_turns, real_aggregate = rlcore.run.setup.Run.tool_turns, rlcore.train.aggregate_loss
 
         def tool_turns(run, rows):
             drawn.append([row["prompt"] for row in rows[::G]])
@@ -233,7 +233,7 @@ def run_rlcore(options: dict, model_dir, script: Script, tmp_path, monkeypatch, 
             return loss
 
         spies.setattr(rlcore.rollout, "generate", generate)
-        spies.setattr(rlcore.setup.Run, "tool_turns", tool_turns)
+        spies.setattr(rlcore.run.setup.Run, "tool_turns", tool_turns)
         spies.setattr(rlcore.train, "aggregate_loss", aggregate_loss)
         if thresholds is not None:
             thresholds.watch(spies)

@@ -3,7 +3,7 @@
 GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300) replaces PPO's value function with the
 statistics of G completions of the same prompt:  A_i = (r_i - mean_g(r)) / (std_g(r) + 1e-4).
 Dr. GRPO (Liu et al. 2025, arXiv:2503.20783) drops the std: A_i = r_i - mean_g(r).
-The rewards R [N, F] come from `rlcore.rewards.score_completions`.
+The rewards R [N, F] come from `rlcore.rewards.scoring.score_completions`.
 """
 
 import torch

@@ -178,7 +178,7 @@ def check_loss_options(
 ) -> None:
     """Validate option names once, before training, and warn about combinations that are legal
     but probably not what was meant, for code that calls the losses directly (the training loop
-    gets the same checks from `rlcore.validation.validate`)."""
+    gets the same checks from `rlcore.config.validation.validate`)."""
     for name, value, valid in (("loss_type", loss_type, LOSS_TYPES), ("policy_loss", policy_loss, LOSSES),
                                ("importance_sampling_level", importance_sampling_level, LEVELS)):
         if value not in valid:
@@ -215,7 +215,7 @@ def policy_loss(
     (for the metric), entropy_keep [B, T] from `masks.entropy_mask` (the entropy mask; None = off),
     samp [B, T] the rollout engine's log-probs (needed with off_policy_mask_threshold). Option
     names and risky combinations are checked once, by `check_loss_options` for direct callers
-    and by `rlcore.validation.validate` in the training loop, not per micro-batch. The metrics
+    and by `rlcore.config.validation.validate` in the training loop, not per micro-batch. The metrics
     are `metrics.policy_metrics`'. options None: PolicyLossOptions()'s defaults.
     """
     options = PolicyLossOptions() if options is None else options

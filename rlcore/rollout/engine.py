@@ -38,8 +38,8 @@ from typing import Callable
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from rlcore.lora import LoraLinear
-from rlcore.model import KVCache, Transformer, apply_rope, padded_causal_mask, rope_cos_sin
+from rlcore.models.lora import LoraLinear
+from rlcore.models.transformer import KVCache, Transformer, apply_rope, padded_causal_mask, rope_cos_sin
 from rlcore.rollout.attention import decode_attention
 from rlcore.rollout.graphs import CapturedStep
 from rlcore.rollout.packed import PackedDecoder
@@ -223,7 +223,7 @@ def sample_and_record(logits: torch.Tensor, batch: Batch, run: Decoding) -> None
 
 def forward_one_token(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                       slot: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-    """The model's forward pass (rlcore.model, its own modules) for tokens `[B]` at RoPE positions
+    """The model's forward pass (rlcore.models.transformer, its own modules) for tokens `[B]` at RoPE positions
     `[B]`, their keys/values written at cache slot `slot` (`[]` long) of every row, each row
     attending over its slots start..slot. Returns the final hidden states `[B, H]`."""
     B = tokens.shape[0]

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from rlcore.model import KVCache, Transformer, apply_rope, rms_norm, rope_cos_sin
+from rlcore.models.transformer import KVCache, Transformer, apply_rope, rms_norm, rope_cos_sin
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 LINEARS = ("qkv", "o", "gate_up", "down")  # a layer's matrices; the rest of its entries are norm weights

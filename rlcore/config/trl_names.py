@@ -23,7 +23,7 @@ import warnings
 from rlcore import ConfigError, RlcoreWarning
 
 if typing.TYPE_CHECKING:
-    from rlcore.config import Config
+    from rlcore.config.options import Config
 
 # Top-level keys that are not a field name of exactly one section: TRL names and the shared seed.
 FLAT_ALIASES = {"seed": ("train", "seed"), "model_name_or_path": ("model", "path"),
@@ -72,8 +72,8 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     "torch_compile": (ANY, "rlcore runs eager (the same computation; docs/benchmarks.md says what compiling gained)"),
     "use_cpu": ((False,), "set train.device = 'cpu'"),
     "tf32": (ANY, "rlcore leaves fp32 matmuls at full precision; for speed on GPU set train.bf16 = true"),
-    "deepspeed": ((None,), "rlcore's data parallelism is torchrun --nproc_per_node=N (rlcore.distributed)"),
-    "ddp_find_unused_parameters": (ANY, "rlcore averages every gradient itself (rlcore.distributed)"),
+    "deepspeed": ((None,), "rlcore's data parallelism is torchrun --nproc_per_node=N (rlcore.parallel.collectives)"),
+    "ddp_find_unused_parameters": (ANY, "rlcore averages every gradient itself (rlcore.parallel.collectives)"),
     "ddp_timeout": (ANY, "rlcore uses torch.distributed's default timeout"),
     "optim": (("adamw_torch", "adamw_torch_fused", "adamw_hf"),
               "rlcore trains with torch.optim.AdamW (train.adam_beta1, adam_beta2, adam_epsilon, weight_decay)"),
@@ -118,14 +118,14 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     "length_column_name": (ANY, "rlcore groups no batches by length"),
     "label_names": (ANY, "rlcore's data has prompts, not labels"),
     "pad_to_multiple_of": (ANY, "rlcore pads each batch to its longest row"),
-    "accelerator_config": ((None,), "rlcore's data parallelism is torchrun --nproc_per_node=N (rlcore.distributed)"),
-    "parallelism_config": ((None,), "rlcore's data parallelism is torchrun --nproc_per_node=N (rlcore.distributed)"),
+    "accelerator_config": ((None,), "rlcore's data parallelism is torchrun --nproc_per_node=N (rlcore.parallel.collectives)"),
+    "parallelism_config": ((None,), "rlcore's data parallelism is torchrun --nproc_per_node=N (rlcore.parallel.collectives)"),
     "fsdp_config": (ANY, "with train.fsdp rlcore shards every transformer block and the root with FSDP2 itself "
-                         "(rlcore.sharding)"),
+                         "(rlcore.parallel.fsdp)"),
     "ddp_backend": ((None,), "rlcore uses gloo on CPU and NCCL on GPU"),
-    "ddp_bucket_cap_mb": (ANY, "rlcore averages every gradient itself (rlcore.distributed)"),
-    "ddp_broadcast_buffers": (ANY, "rlcore averages every gradient itself (rlcore.distributed)"),
-    "ddp_static_graph": (ANY, "rlcore averages every gradient itself (rlcore.distributed)"),
+    "ddp_bucket_cap_mb": (ANY, "rlcore averages every gradient itself (rlcore.parallel.collectives)"),
+    "ddp_broadcast_buffers": (ANY, "rlcore averages every gradient itself (rlcore.parallel.collectives)"),
+    "ddp_static_graph": (ANY, "rlcore averages every gradient itself (rlcore.parallel.collectives)"),
     "ds3_gather_for_generation": (ANY, "rlcore has no DeepSpeed"),
     "local_rank": (ANY, "torchrun sets each rank's"),
     "do_train": (ANY, "`rlcore train` trains"),
@@ -312,7 +312,7 @@ def expand_tables(out: dict) -> None:
                                       f"other way or leave them out")
                 out.setdefault("rollout", {})[GENERATION_KWARGS[key]] = value
         elif kwargs is not None:
-            out[section]["generation_kwargs"] = kwargs  # not a table: Config.from_dict names the problem
+            out[section]["generation_kwargs"] = kwargs  # not a table: config_from_dict names the problem
         kwargs = out[section].pop("model_init_kwargs", None)
         if isinstance(kwargs, dict):
             for key, value in kwargs.items():

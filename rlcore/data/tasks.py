@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 from fractions import Fraction
 
-from rlcore.answers import evaluate_expression
+from rlcore.rewards.answers import evaluate_expression
 
 TASKS = ("arithmetic", "countdown", "multiplication")
 # The reward that decides whether an answer is right (held-out accuracy), per data.task.

@@ -5,7 +5,7 @@ all-reduce with backward).
 
 Launch with `torchrun --nproc_per_node=P -m rlcore.cli train ...`; without torchrun every
 function here is a no-op for a single rank. gloo on CPU, NCCL on GPU. With train.fsdp the model
-is sharded instead (rlcore.sharding): FSDP's own collectives reduce its gradients, and the two
+is sharded instead (rlcore.parallel.fsdp): FSDP's own collectives reduce its gradients, and the two
 functions here that would all-reduce whole weights or gradients leave such a model alone.
 """
 
@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from rlcore.sharding import is_sharded
+from rlcore.parallel.fsdp import is_sharded
 
 
 def init(device: torch.device, cpu_collectives: bool = False) -> tuple[int, int, torch.device]:

@@ -19,24 +19,24 @@ from pathlib import Path
 
 import torch
 
-from rlcore import RlcoreWarning, distributed, sharding
-from rlcore.checkpoint import CheckpointError, check_model_dir, load_model, resolve_dtype
-from rlcore.config import EMBEDDED_MODEL_PATHS, RUN_CONFIG_HEADER, Config, dump_config, with_absolute_paths
-from rlcore.data import encode_prompts, format_prompt, load_examples
-from rlcore.embedded import EMBEDDED_TASKS, build_embedded_model, cache_dir_name, why_a_model_of_its_own
-from rlcore.geometry import Geometry
-from rlcore.model import Transformer, weight_layout_difference
-from rlcore.lora import apply_lora, keep_as_reference, load_adapter, reference_adapters, set_dropout
-from rlcore.options import LoraArgs, RolloutArgs, TrainArgs
-from rlcore.rewards import REWARD_EXTRAS, check_reward_funcs, dataset_columns, get_reward_funcs
-from rlcore.rundir import (changed_data, check_new_run_dir, check_resumed_model, checkpoint_step, latest_checkpoint,
-                           load_resumed_model, load_trainer_state, resume_command, way_back)
-from rlcore.tasks import TASK_REWARD, unique_problems
-from rlcore.tokenizer import Tokenizer, check_vocab_fits
-from rlcore.tool_calls import tool_call_format
-from rlcore.tools import (Toolbox, ToolTurns, is_prefix_preserving, load_environment_factory, load_tool,
-                          reset_environment, tool_suffix_ids, training_chat_template)
-from rlcore.validation import validate, warn_bf16_weights
+from rlcore import RlcoreWarning
+from rlcore.config.geometry import Geometry
+from rlcore.config.options import EMBEDDED_MODEL_PATHS, Config, LoraArgs, RolloutArgs, TrainArgs
+from rlcore.config.validation import warn_bf16_weights
+from rlcore.data.datasets import encode_prompts, format_prompt, load_examples
+from rlcore.data.tasks import TASK_REWARD, unique_problems
+from rlcore.models.embedded import EMBEDDED_TASKS, build_embedded_model, cache_dir_name, why_a_model_of_its_own
+from rlcore.models.hf_checkpoint import CheckpointError, check_model_dir, load_model, resolve_dtype
+from rlcore.models.lora import apply_lora, keep_as_reference, load_adapter, reference_adapters, set_dropout
+from rlcore.models.tokenizer import Tokenizer, check_vocab_fits
+from rlcore.models.transformer import Transformer, weight_layout_difference
+from rlcore.parallel import collectives, fsdp
+from rlcore.rewards.scoring import REWARD_EXTRAS, check_reward_funcs, dataset_columns, get_reward_funcs
+from rlcore.run.checkpoints import load_resumed_model, way_back
+from rlcore.run.rundir import RunDir
+from rlcore.tools.calls import tool_call_format
+from rlcore.tools.toolbox import Toolbox, load_environment_factory, load_tool, reset_environment
+from rlcore.tools.turns import ToolTurns, is_prefix_preserving, tool_suffix_ids, training_chat_template
 
 
 def pick_device(name: str) -> torch.device:
@@ -145,12 +145,12 @@ def embedded_model_dir(cfg: Config, rank: int = 0, world: int = 1) -> Path:
     pool = unique_problems(d.task, 10**6, d.seed)[d.num_eval:]  # everything but the eval set
     local = int(os.environ.get("LOCAL_RANK", rank))  # torchrun: the rank on this machine (its cache may be its own)
     if local != 0:
-        distributed.barrier(world)
+        collectives.barrier(world)
     elif d.task == "arithmetic" and (why := why_a_model_of_its_own(cache, d.seed, d.num_eval)):
         print(why, flush=True)
     path = build_embedded_model(where, pool, task=d.task)
     if local == 0:
-        distributed.barrier(world)
+        collectives.barrier(world)
     return path
 
 
@@ -179,7 +179,7 @@ class Run:
     rank: int
     world: int
     device: torch.device
-    dir: Path  # the run directory: config.toml, metrics, checkpoints
+    dir: RunDir  # the run directory: config.toml, metrics, checkpoints
     model_dir: Path  # the checkpoint the model, tokenizer and (by default) the reference came from
     tok: Tokenizer
     model: Transformer
@@ -199,7 +199,7 @@ class Run:
     schedule: Callable[[int], float]  # the learning-rate factor of each step
     checkpoint: Path | None  # on --resume, the checkpoint it continues from
     saved_state: dict | None  # and that checkpoint's trainer state
-    engine: sharding.EngineCopy | None = None  # under FSDP, the rollout engine's plain copy of the policy
+    engine: fsdp.EngineCopy | None = None  # under FSDP, the rollout engine's plain copy of the policy
     toolbox: Toolbox | None = None  # rollout.tools and rollout.environment_factory, when set
 
     @property
@@ -254,7 +254,7 @@ class Run:
             try:
                 yield self.ref
             finally:
-                sharding.reshard(self.ref)  # no backward follows its passes to free its gathered root
+                fsdp.reshard(self.ref)  # no backward follows its passes to free its gathered root
         else:
             with reference_adapters(self.model):
                 yield self.model
@@ -277,7 +277,7 @@ def load_toolbox(rollout_cfg: RolloutArgs, tok: Tokenizer, model_dir: Path, main
             tok.chat_template = training  # checkpoints still get the model's own (rundir copies its files)
             if main:
                 print(f"{model_dir}'s chat template is not prefix-preserving, so tool results could not be "
-                      f"appended; rendering this run with TRL's training template for it (rlcore/chat_templates)",
+                      f"appended; rendering this run with TRL's training template for it (rlcore/models/chat_templates)",
                       flush=True)
         tool_suffix_ids(tok, [{"role": "tool", "name": "dummy", "content": "dummy"}])  # fails now, not mid-run
     except ValueError as err:
@@ -286,26 +286,23 @@ def load_toolbox(rollout_cfg: RolloutArgs, tok: Tokenizer, model_dir: Path, main
     return Toolbox([load_tool(name) for name in rollout_cfg.tools], factory)
 
 
-def setup(cfg: Config, resume: str | os.PathLike | None = None) -> Run:
-    """Check and load everything a run needs (see the module docstring); `resume` is a run directory
-    to continue from its latest checkpoint."""
+def setup(cfg: Config, resume: str | os.PathLike | RunDir | None = None) -> Run:
+    """Check and load everything a run needs (see the module docstring) for `cfg`, a config that
+    load_config checked; `resume` is a run directory to continue from its latest checkpoint."""
     train_cfg, loss_cfg, rollout_cfg = cfg.train, cfg.loss, cfg.rollout  # the train, loss and rollout sections
-    rank, world, device = distributed.init(pick_device(train_cfg.device), cpu_collectives=train_cfg.fsdp_offload)  # (0, 1, device) without torchrun
+    rank, world, device = collectives.init(pick_device(train_cfg.device), cpu_collectives=train_cfg.fsdp_offload)  # (0, 1, device) without torchrun
     if device.type == "cpu":
         reuse_freed_memory()
     main = rank == 0  # rank 0 alone prints and writes files
-    validate(cfg, world_size=world)
-    run = Path(resume or train_cfg.output_dir)
-    if not resume:
-        check_new_run_dir(run)
+    if isinstance(resume, RunDir):  # the command line checked it
+        run_dir = resume
+    elif resume:
+        run_dir = RunDir.to_resume(resume, world, main)
+    else:
+        run_dir = RunDir(train_cfg.output_dir, main)
+        run_dir.check_new()
     if resume:
-        check_resumed_model(run, cfg)
-        if changes := changed_data(run / "config.toml", cfg.data):
-            warnings.warn(f"--resume {run} with other data: {', '.join(changes)}. The checkpoint's data position "
-                          f"counts rows of the old order, the held-out set is drawn again (it may hold prompts the "
-                          f"run trained on), and 'before=' stays the old set's accuracy; drop those --set values to "
-                          f"continue the run as it was, or start a new run from a checkpoint's model/ directory",
-                          RlcoreWarning, stacklevel=2)
+        run_dir.check_resumed(cfg)
     torch.manual_seed(train_cfg.seed)
 
     # Data and reward functions (checked before a model loads), model, tokenizer.
@@ -329,16 +326,10 @@ def setup(cfg: Config, resume: str | os.PathLike | None = None) -> Run:
         raise ValueError(f"loss.reward_funcs = [] and rollout.environment_factory = {rollout_cfg.environment_factory!r} "
                          f"has no get_reward method: nothing scores the completions; name a reward function in "
                          f"loss.reward_funcs or give the environment get_reward(self) -> float")
-    checkpoint = latest_checkpoint(Path(resume)) if resume else None
-    # read before anything is written: a wrong rank count changes nothing
-    saved_state = load_trainer_state(checkpoint) if checkpoint else None
-    sharded = checkpoint is not None and (checkpoint / sharding.SHARDS).is_dir()  # DCP reshards it to any rank count
-    if saved_state is not None and len(saved_state["sampler_rng"]) != world and not sharded:
-        raise ValueError(f"{checkpoint} was saved by a run on {len(saved_state['sampler_rng'])} rank(s), and this one "
-                         f"has {world}; "
-                         f"resume it on as many: {resume_command(run, len(saved_state['sampler_rng']))}")
+    checkpoint, saved_state = run_dir.latest() if resume else (None, None)  # read before anything is written
+    sharded = checkpoint is not None and (checkpoint / fsdp.SHARDS).is_dir()  # DCP reshards it to any rank count
     if train_cfg.fsdp and world > 1 and checkpoint and not sharded:
-        raise ValueError(f"--resume {run}: {checkpoint} was saved by a replicated run (its optimizer state is whole) "
+        raise ValueError(f"--resume {run_dir}: {checkpoint} was saved by a replicated run (its optimizer state is whole) "
                          f"and train.fsdp = true shards this one; resume it with --set train.fsdp=false, then start "
                          f"sharded runs from a checkpoint's model/ directory")
     dtype = resolve_dtype(cfg.model.dtype, model_dir)  # 'auto': the checkpoint's
@@ -388,31 +379,18 @@ def setup(cfg: Config, resume: str | os.PathLike | None = None) -> Run:
               f"step(s) per round: "
               f"max_steps = {max_steps}", flush=True)
 
-    done = checkpoint_step(checkpoint) if checkpoint else 0
-    if done >= max_steps:  # a finished run: nothing is evaluated or rewritten
-        raise ValueError(f"--resume {run}: its checkpoint is at step {done} and train.max_steps = {max_steps}, so "
-                         f"there is nothing to train; continue it with --set train.max_steps={done + 100} (or any "
-                         f"number above {done})")
-    if main:  # every input loaded and checked: a bad one leaves no run directory behind
-        try:
-            run.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise OSError(f"train.output_dir = {str(run)!r} cannot be created ({e.strerror or e}); give a directory "
-                          f"you can write to, e.g. --set train.output_dir=runs/my-run") from e
-        # with absolute paths, so a --resume from another directory finds the model and data
-        (run / "config.toml.tmp").write_text(RUN_CONFIG_HEADER + f"# ranks = {world}\n" +
-                                             dump_config(with_absolute_paths(cfg)))
-        os.replace(run / "config.toml.tmp", run / "config.toml")  # a crash leaves the previous one
+    run_dir.check_steps_left(max_steps)  # a finished run: nothing is evaluated or rewritten
+    run_dir.create(cfg, world)  # every input loaded and checked: a bad one leaves no run directory behind
 
     engine = None
     if train_cfg.fsdp and world > 1:  # one rank has nothing to shard: it trains as the replicated mode does
-        engine = sharding.EngineCopy(model)  # the rollout's plain copy, before the weights are sharded
-        sharding.shard(model, world, device, train_cfg.bf16, train_cfg.fsdp_offload)
+        engine = fsdp.EngineCopy(model)  # the rollout's plain copy, before the weights are sharded
+        fsdp.shard(model, world, device, train_cfg.bf16, train_cfg.fsdp_offload)
         if ref is not None:
-            sharding.shard(ref, world, device, train_cfg.bf16, train_cfg.fsdp_offload)
+            fsdp.shard(ref, world, device, train_cfg.bf16, train_cfg.fsdp_offload)
     opt = adamw(model, train_cfg)
     schedule = lr_lambda(cfg, max_steps)
-    return Run(cfg=cfg, rank=rank, world=world, device=device, dir=run, model_dir=model_dir, tok=tok, model=model,
+    return Run(cfg=cfg, rank=rank, world=world, device=device, dir=run_dir, model_dir=model_dir, tok=tok, model=model,
                ref=ref, train_set=train_set, eval_set=eval_set, reward_funcs=reward_funcs, reward_names=reward_names,
                reward_weights=reward_weights, columns=columns,
                accuracy_fn=accuracy_fn, answer_column=answer_column, stop_sequences=stop_sequences,

@@ -1,18 +1,13 @@
-"""The run configuration: the five option sections (rlcore/options.py) as one `Config`, loaded
-from TOML and `--set`, and written back as TOML.
+"""Loading a run's configuration: defaults, then a TOML file, then `--set` values, into one
+`Config` (options.py), checked once (validation.py); and a Config written back as TOML.
 
 A TRL-style flat key at the top level of a TOML file (`beta = 0.04`) goes to the one section that
-has it; TRL's other names are rlcore/trl_compat.py's. Precedence: dataclass defaults < TOML file <
+has it; TRL's other names are trl_names.py's. Precedence: dataclass defaults < TOML file <
 `--set section.key=value`, applied in order. A config file that names no model (model.path unset,
 "" or "embedded", in the file and the `--set` values) trains the embedded tiny model, so its unset
-keys come from the embedded default run (rlcore/default.toml), not from the dataclass defaults
-(which are TRL's, for real models).
-
-Defaults that depend on another field are filled in when the config is built (as TRL does in
-`__post_init__`): `train.steps_per_generation` (= GA), `loss.epsilon_high` (= epsilon),
-`rollout.seed` (= train.seed), `train.eval_max_completion_length` (= max_completion_length).
-This file checks each key and its type (and the TRL aliases that would set one value twice);
-rlcore/validation.py checks the values and how they combine, in one pass.
+keys come from the embedded default run (config/default.toml), not from the dataclass defaults
+(which are TRL's, for real models). This file checks each key and its type (and the TRL aliases
+that would set one value twice); validation.py checks the values and how they combine.
 """
 
 from __future__ import annotations
@@ -25,13 +20,13 @@ import re
 import sys
 import typing
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlcore import EMBEDDED_DEFAULT, ConfigError, RlcoreWarning, trl_compat
-from rlcore.options import (SECTIONS, DataArgs, LoraArgs, LossArgs, ModelArgs, RolloutArgs, TrainArgs, accepts, check_type,
-                            field_names, sections_with, shell_set, toml_literal, toml_value)
-from rlcore.validation import validate
+from rlcore import EMBEDDED_DEFAULT, ConfigError, RlcoreWarning
+from rlcore.config import trl_names
+from rlcore.config.options import EMBEDDED_MODEL_PATHS, PATH_OPTIONS, SECTIONS, Config, field_names, sections_with
+from rlcore.config.values import accepts, check_type, shell_set, toml_literal, toml_value
+from rlcore.config.validation import validate
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -39,74 +34,36 @@ else:  # Python 3.10
     import tomli as tomllib
 
 
-@dataclass
-class Config:
-    model: ModelArgs = field(default_factory=ModelArgs)
-    """the policy checkpoint"""
-    data: DataArgs = field(default_factory=DataArgs)
-    """prompts and reference answers"""
-    rollout: RolloutArgs = field(default_factory=RolloutArgs)
-    """sampling"""
-    loss: LossArgs = field(default_factory=LossArgs)
-    """rewards, advantages and the policy loss"""
-    train: TrainArgs = field(default_factory=TrainArgs)
-    """batching, optimizer and bookkeeping"""
-    lora: LoraArgs = field(default_factory=LoraArgs)
-    """LoRA adapters instead of training every weight"""
-
-    def __post_init__(self):
-        for section, key in (*PATH_OPTIONS, ("train", "output_dir")):  # "~/ckpt" as a shell would read it
-            value = getattr(getattr(self, section), key)
-            if isinstance(value, str) and value.startswith("~"):
-                setattr(getattr(self, section), key, os.path.expanduser(value))
-        # Fill the defaults that depend on another field (TRL does the same in __post_init__).
-        if isinstance(self.loss.scale_rewards, bool):
-            self.loss.scale_rewards = "group" if self.loss.scale_rewards else "none"
-        if self.loss.epsilon_high is None:
-            if self.loss.policy_loss == "cispo":
-                warnings.warn("loss.policy_loss='cispo' uses loss.epsilon_high as an absolute cap "
-                              "on the IS weight and it is left at epsilon; set "
-                              "loss.epsilon_high=5.0 (the CISPO paper's value)", RlcoreWarning, stacklevel=2)
-            self.loss.epsilon_high = self.loss.epsilon
-        # (from generation_batch_size, S depends on the world size: Geometry.of resolves it)
-        if self.train.steps_per_generation is None and self.train.generation_batch_size is None:
-            self.train.steps_per_generation = self.train.gradient_accumulation_steps
-        if self.rollout.seed is None:
-            self.rollout.seed = self.train.seed
-        if self.train.eval_max_completion_length is None:
-            self.train.eval_max_completion_length = self.rollout.max_completion_length
-
-    @classmethod
-    def from_dict(cls, nested: dict) -> "Config":
-        """Build from a nested dict `{section: {key: value}}` (flat TRL keys allowed), checking keys and types."""
-        sections = {}
-        for name, values in normalize(nested).items():
-            section_cls = SECTIONS[name]
-            hints = typing.get_type_hints(section_cls)
-            kwargs = {}
-            if name == "train" and "num_train_epochs" in values and "max_steps" not in values:
-                values = {**values, "max_steps": -1}  # TRL's default max_steps: count the epochs
-            for key, value in values.items():
-                key = trl_compat.rlcore_field(name, key, value, values)
-                if key in kwargs and kwargs[key] != value:
-                    raise ConfigError(f"{name}.{key} is set twice, to {kwargs[key]!r} and {value!r} (one of them "
-                                      f"under another name TRL uses for it); keep one")
-                if key not in hints:
-                    explained = trl_compat.explain(key, value)
-                    if explained is None:
-                        raise ConfigError(f"unknown config key {name}.{key}{_suggest(f'{name}.{key}')}")
-                    harmless, text = explained
-                    if not harmless:
-                        raise ConfigError(text)
-                    warnings.warn(text, RlcoreWarning, stacklevel=3)
-                    continue
-                kwargs[key] = check_type(f"{name}.{key}", value, hints[key])
-            sections[name] = section_cls(**kwargs)
-        return cls(**sections)
+def config_from_dict(nested: dict) -> Config:
+    """Build from a nested dict `{section: {key: value}}` (flat TRL keys allowed), checking keys and types."""
+    sections = {}
+    for name, values in normalize(nested).items():
+        section_cls = SECTIONS[name]
+        hints = typing.get_type_hints(section_cls)
+        kwargs = {}
+        if name == "train" and "num_train_epochs" in values and "max_steps" not in values:
+            values = {**values, "max_steps": -1}  # TRL's default max_steps: count the epochs
+        for key, value in values.items():
+            key = trl_names.rlcore_field(name, key, value, values)
+            if key in kwargs and kwargs[key] != value:
+                raise ConfigError(f"{name}.{key} is set twice, to {kwargs[key]!r} and {value!r} (one of them "
+                                  f"under another name TRL uses for it); keep one")
+            if key not in hints:
+                explained = trl_names.explain(key, value)
+                if explained is None:
+                    raise ConfigError(f"unknown config key {name}.{key}{_suggest(f'{name}.{key}')}")
+                harmless, text = explained
+                if not harmless:
+                    raise ConfigError(text)
+                warnings.warn(text, RlcoreWarning, stacklevel=3)
+                continue
+            kwargs[key] = check_type(f"{name}.{key}", value, hints[key])
+        sections[name] = section_cls(**kwargs)
+    return Config(**sections)
 
 
 def config_to_dict(config: Config) -> dict:
-    """The config as a nested dict `{section: {key: value}}`; `Config.from_dict` inverts it."""
+    """The config as a nested dict `{section: {key: value}}`; `config_from_dict` inverts it."""
     return dataclasses.asdict(config)
 
 
@@ -126,14 +83,6 @@ def dump_config(config: Config) -> str:
 RUN_CONFIG_HEADER = "# rlcore: this run's configuration, which rlcore train --resume reads\n"
 """The first line of the config.toml a run directory holds: `rlcore train --resume` reads it back."""
 
-EMBEDDED_MODEL_PATHS = ("", "embedded")
-"""The model.path values that name the embedded tiny model (built and cached on first use)."""
-
-PATH_OPTIONS = (("model", "path"), ("model", "ref_path"), ("data", "path"), ("data", "eval_path"),
-                ("lora", "adapter_path"))
-"""The options that name files or directories (relative ones are taken from the current directory)."""
-
-
 def with_absolute_paths(config: Config) -> Config:
     """A copy of `config` with the PATH_OPTIONS that are set made absolute (the embedded model's
     "" / "embedded" stay): what a run directory records, so a --resume from elsewhere finds them."""
@@ -145,46 +94,61 @@ def with_absolute_paths(config: Config) -> Config:
     return config
 
 
-def load_config(path: str | None = None, overrides: list[str] = (), world_size: int = 1) -> Config:
-    """Defaults (for a file that names no model, rlcore/default.toml's values), then the TOML file at
-    `path` (None: none), then each `section.key=value` override.
-    A layer that sets train.num_train_epochs without train.max_steps sets max_steps = -1 (count epochs).
+def read_toml(path: str) -> tuple[dict, bytes]:
+    """A config file's settings and its bytes; a ConfigError names a file that cannot be read as TOML."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+        return tomllib.loads(raw.decode("utf-8")), raw
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist; pass an existing TOML file "
+                          f"(see configs/ for examples)") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory; pass a TOML file "
+                          f"(see configs/ for examples)") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text ({e.reason}, byte "
+                          f"{e.object[e.start:e.start + 1]!r} at offset {e.start}); save it as UTF-8") from None
+    except tomllib.TOMLDecodeError as e:
+        if looks_like_yaml(path):
+            raise ConfigError(f"config file {path} looks like YAML; rlcore reads TOML: write `key = value` "
+                              f"(learning_rate = 1e-6, strings quoted), TRL's flat names work as they "
+                              f"are ({e})") from None
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
 
-    An override's value is read as a TOML literal (`0.04`, `true`, `["a", "b"]`), and as a bare
-    string when it is not one (`model.path=/ckpt/qwen`); `none` sets an optional field to None.
-    The result is checked with `validate(config, world_size)`.
-    """
-    settings, raw = {}, b""
-    if path is not None:
-        try:
-            with open(path, "rb") as f:
-                raw = f.read()
-            settings = tomllib.loads(raw.decode("utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist; pass an existing TOML file "
-                              f"(see configs/ for examples)") from None
-        except IsADirectoryError:
-            raise ConfigError(f"config file {path} is a directory; pass a TOML file "
-                              f"(see configs/ for examples)") from None
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"config file {path} is not UTF-8 text ({e.reason}, byte "
-                              f"{e.object[e.start:e.start + 1]!r} at offset {e.start}); save it as UTF-8") from None
-        except tomllib.TOMLDecodeError as e:
-            if looks_like_yaml(path):
-                raise ConfigError(f"config file {path} looks like YAML; rlcore reads TOML: write `key = value` "
-                                  f"(learning_rate = 1e-6, strings quoted), TRL's flat names work as they "
-                                  f"are ({e})") from None
-            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-        except OSError as e:
-            raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
-    empty = path is not None and not settings
-    trl_style = any(key not in SECTIONS for key in settings)  # flat TRL keys: likely a recipe written for TRL
-    settings = normalize(settings)
-    in_file = {(section, key) for section, values in settings.items() for key in values}
+
+def override_layer(overrides: list[str]) -> dict:
+    """The `--set` values as `{section: {key: value}}`."""
     layer = {}
     for item in overrides:
         section, key, value = parse_override(item)
         layer.setdefault(section, {})[key] = value
+    return layer
+
+
+def launched_world_size() -> int:
+    """The rank count torchrun launched (its WORLD_SIZE; 1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def load_config(path: str | None = None, overrides: list[str] = (), world_size: int | None = None) -> Config:
+    """Defaults (for a file that names no model, config/default.toml's values), then the TOML file
+    at `path` (None: none), then each `section.key=value` override.
+    A layer that sets train.num_train_epochs without train.max_steps sets max_steps = -1 (count epochs).
+
+    An override's value is read as a TOML literal (`0.04`, `true`, `["a", "b"]`), and as a bare
+    string when it is not one (`model.path=/ckpt/qwen`); `none` sets an optional field to None.
+    The result is checked once, here, with `validate(config, world_size)` (None: the rank count
+    torchrun launched); `train()` runs the config it is given.
+    """
+    settings, raw = read_toml(path) if path is not None else ({}, b"")
+    empty = path is not None and not settings
+    trl_style = any(key not in SECTIONS for key in settings)  # flat TRL keys: likely a recipe written for TRL
+    settings = normalize(settings)
+    in_file = {(section, key) for section, values in settings.items() for key in values}
+    layer = override_layer(overrides)
     base = None
     if path is not None and builds_on_embedded_default(path, raw, settings, layer):
         with open(EMBEDDED_DEFAULT, "rb") as f:
@@ -194,11 +158,11 @@ def load_config(path: str | None = None, overrides: list[str] = (), world_size: 
             base["train"].pop("max_steps", None)  # the file counts epochs (as a layer of its own would)
         settings = {section: {**base.get(section, {}), **settings.get(section, {})} for section in {*base, *settings}}
     if empty:
-        warnings.warn(f"config file {path} sets nothing: the run is " + ("the embedded default (rlcore/default.toml)"
+        warnings.warn(f"config file {path} sets nothing: the run is " + ("the embedded default (rlcore/config/default.toml)"
                       if base else "rlcore's defaults (rlcore options)") + " with the --set values",
                       RlcoreWarning, stacklevel=2)
     given = {(section, key) for section, values in layer.items() for key in values}
-    trl_compat.expand_loss_type(layer)  # --set loss_type=cispo sets policy_loss too, over the file's
+    trl_names.expand_loss_type(layer)  # --set loss_type=cispo sets policy_loss too, over the file's
     for section, values in layer.items():
         settings.setdefault(section, {}).update(values)
     if ("train", "num_train_epochs") in given and ("train", "max_steps") not in given:
@@ -208,12 +172,20 @@ def load_config(path: str | None = None, overrides: list[str] = (), world_size: 
                           f"train.max_steps = {file_steps} (the run counts epochs; in TRL a positive max_steps would "
                           f"win): add --set train.max_steps={file_steps} to keep it", RlcoreWarning, stacklevel=2)
         settings["train"]["max_steps"] = -1  # the overrides mean the epochs, whatever the file's max_steps
-    config = Config.from_dict(settings)
-    config.base = None if base is None else str(EMBEDDED_DEFAULT)  # not a field: the CLI says what it ran
-    validate(config, world_size)
+    config = config_from_dict(settings)
+    validate(config, launched_world_size() if world_size is None else world_size)
     if trl_style and base is None:  # (a file on the embedded default tunes rlcore's own run)
-        trl_compat.warn_trl_defaults(config, path, in_file | given)
+        trl_names.warn_trl_defaults(config, path, in_file | given)
     return config
+
+
+def on_embedded_default(path: str | None, overrides: list[str] = ()) -> bool:
+    """Whether `load_config(path, overrides)` lays the file over the embedded default run (see
+    builds_on_embedded_default), for the command line to say so."""
+    if path is None:
+        return False
+    settings, raw = read_toml(path)
+    return builds_on_embedded_default(path, raw, normalize(settings), override_layer(overrides))
 
 
 def builds_on_embedded_default(path: str, raw: bytes, file: dict, overrides: dict) -> bool:
@@ -273,7 +245,7 @@ def parse_override(item: str) -> tuple[str, str, object]:
         inner = {".".join(parts[2:]): toml_literal(raw, default=raw.strip())}
         raise ConfigError(f"--set {item}: {parts[0]}.{parts[1]} is a table; give it whole: "
                           + shell_set(f"{parts[0]}.{parts[1]}={toml_value(inner)}"))
-    elif text := trl_compat.foreign(key):
+    elif text := trl_names.foreign(key):
         raise ConfigError(f"unknown config key {key}: {text}")
     else:
         raise ConfigError(f"override key {key!r} has too many dots; write section.key=value, "
@@ -299,7 +271,7 @@ def normalize(toml: dict) -> dict:
                 raise ConfigError(f"config section {key} = {value!r} must be a table; write "
                                   f"[{key}] and its keys under it, or {key}.<key> = value")
             out.setdefault(key, {}).update(value)
-        elif isinstance(value, dict) and not sections_with(key) and trl_compat.explain(key, value) is None:
+        elif isinstance(value, dict) and not sections_with(key) and trl_names.explain(key, value) is None:
             raise _unknown_section(key)
         else:
             flat[key] = value
@@ -309,17 +281,17 @@ def normalize(toml: dict) -> dict:
             raise ConfigError(f"config key {key} is set twice: flat ({key} = {value!r}) and in "
                               f"[{section}] ({name} = {out[section][name]!r}); keep one")
         out.setdefault(section, {})[name] = value
-    trl_compat.expand_tables(out)
-    trl_compat.expand_loss_type(out)
+    trl_names.expand_tables(out)
+    trl_names.expand_loss_type(out)
     return out
 
 
 def _flat_target(key: str) -> tuple[str, str]:
     """The (section, field) a top-level TRL-style key belongs to."""
-    if key in trl_compat.FLAT_ALIASES:
-        return trl_compat.FLAT_ALIASES[key]
-    if key in trl_compat.TRL_ONLY or key.startswith("vllm_"):
-        return "train", key  # TRL's, without an rlcore field: Config.from_dict explains it there
+    if key in trl_names.FLAT_ALIASES:
+        return trl_names.FLAT_ALIASES[key]
+    if key in trl_names.TRL_ONLY or key.startswith("vllm_"):
+        return "train", key  # TRL's, without an rlcore field: config_from_dict explains it there
     owners = sections_with(key)
     if len(owners) == 1:
         return owners[0], key
@@ -330,7 +302,7 @@ def _flat_target(key: str) -> tuple[str, str]:
 
 
 def _unknown_section(name: str) -> ConfigError:
-    if text := trl_compat.foreign(name):
+    if text := trl_names.foreign(name):
         return ConfigError(f"unknown config section [{name}]: {text}")
     close = difflib.get_close_matches(name, SECTIONS, n=1)
     hint = f"did you mean [{close[0]}]? " if close else ""
@@ -339,7 +311,7 @@ def _unknown_section(name: str) -> ConfigError:
 
 def _suggest(key: str) -> str:
     """"; did you mean X?" for an unknown `key` ("section.name" or a flat name), or a pointer to the docs."""
-    if text := trl_compat.foreign(key):
+    if text := trl_names.foreign(key):
         return f": {text}"
     section, _, name = key.rpartition(".")
     owners = sections_with(name)

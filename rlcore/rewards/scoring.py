@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from rlcore.answers import REWARDS, accuracy_on
+from rlcore.rewards.answers import REWARDS, accuracy_on
 
 RewardFunc = Callable[..., list]
 NOT_COLUMNS = ("prompt", "prompt_ids")  # example keys that are not passed as columns

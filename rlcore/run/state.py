@@ -22,10 +22,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from rlcore.config.options import Config
 from rlcore.losses.entropy import EntropyBonus
 
 STATE_JSON, STATE_TENSORS = "run_state.json", "run_state.safetensors"
-LEGACY_STATE = "trainer_state.pt"  # earlier rlcore's pickle: read with torch.load(weights_only=True)
+PICKLED_STATE = "trainer_state.pt"  # an unreleased rlcore's pickle, refused: unpickling can run code
 
 
 class StateFileError(ValueError):
@@ -78,24 +79,15 @@ def write_state(directory: Path, state: dict) -> None:
 
 
 def has_state(directory: Path) -> bool:
-    """Whether `directory` holds an rlcore trainer state (this version's, or an earlier one's)."""
-    return (directory / STATE_JSON).is_file() or (directory / LEGACY_STATE).is_file()
-
-
-def state_file(directory: Path) -> Path:
-    """The file that names `directory`'s trainer state in messages."""
-    return directory / (STATE_JSON if (directory / STATE_JSON).is_file() else LEGACY_STATE)
+    """Whether `directory` holds an rlcore trainer state."""
+    return (directory / STATE_JSON).is_file()
 
 
 def read_state(directory: Path) -> dict:
-    """The trainer state `write_state` wrote into `directory`; an earlier rlcore's trainer_state.pt is
-    read with torch.load(weights_only=True), which refuses any object but tensors and plain containers."""
-    if not (directory / STATE_JSON).is_file():
-        file = directory / LEGACY_STATE
-        try:
-            return torch.load(file, weights_only=True)
-        except Exception as e:  # a damaged file fails inside zipfile; a pickle of other objects is refused
-            raise StateFileError(f"{file} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]})") from e
+    """The trainer state `write_state` wrote into `directory`."""
+    if not (directory / STATE_JSON).is_file() and (directory / PICKLED_STATE).is_file():
+        raise StateFileError(f"{directory / PICKLED_STATE} is a pickled trainer state, which rlcore does not read "
+                             f"(unpickling can run code); it resumes checkpoints with {STATE_JSON}")
     try:
         with open(directory / STATE_JSON) as f:
             encoded = json.load(f)
@@ -127,6 +119,16 @@ class RunState:
     """train.fp16's dynamic loss scale (disabled otherwise)"""
     overflow_skips: int = 0  # fp16 steps skipped while the loss scale calibrates (not non-finite steps)
 
+    @classmethod
+    def new(cls, cfg: Config, rank: int, device: torch.device) -> RunState:
+        """The state of a run before its first step, on rank `rank`."""
+        loss_cfg = cfg.loss
+        return cls(sampler=torch.Generator(device=device).manual_seed(cfg.rollout.seed + rank),  # rollout sampling
+                   shuffler=torch.Generator(device=device).manual_seed(cfg.train.seed),  # micro-batch order
+                   bonus=EntropyBonus(loss_cfg.entropy_coef, loss_cfg.use_adaptive_entropy, loss_cfg.entropy_target,
+                                      loss_cfg.entropy_coef_delta, loss_cfg.entropy_coef_min, loss_cfg.entropy_coef_max),
+                   scaler=torch.amp.GradScaler(device.type, enabled=cfg.train.fp16))  # fp16's dynamic loss scale
+
     def resume_point(self) -> dict:
         """Where the next round starts (data position and RNGs): what a checkpoint continues from."""
         return {"data_pos": self.data_pos, "sampler": self.sampler.get_state(), "shuffler": self.shuffler.get_state(),
@@ -150,10 +152,9 @@ class RunState:
         self.shuffler.set_state(saved["shuffler_rng"])
         torch.set_rng_state(saved["torch_rng"])
         self.step, self.data_pos, self.before = saved["step"], saved["data_pos"], saved["before"]
-        self.nonfinite_total = saved["nonfinite_total"]
-        self.nonfinite_in_row = saved.get("nonfinite_in_row", 0)  # absent from checkpoints of earlier versions
-        if self.bonus.adaptive and saved.get("entropy_bonus"):  # the controller's state (static: the config's)
+        self.nonfinite_total, self.nonfinite_in_row = saved["nonfinite_total"], saved["nonfinite_in_row"]
+        if self.bonus.adaptive and saved["entropy_bonus"]:  # the controller's state (static: the config's)
             self.bonus.load_state_dict(saved["entropy_bonus"])
-        if self.scaler.is_enabled() and saved.get("grad_scaler"):
+        if self.scaler.is_enabled() and saved["grad_scaler"]:
             self.scaler.load_state_dict(saved["grad_scaler"])
-        self.overflow_skips = saved.get("overflow_skips", 0)
+        self.overflow_skips = saved["overflow_skips"]

@@ -1,6 +1,6 @@
 """Fully sharded data parallelism (train.fsdp): PyTorch's FSDP2 over torchrun's ranks.
 
-Replicated data parallelism (rlcore.distributed) keeps the whole model, its gradients and AdamW's
+Replicated data parallelism (rlcore.parallel.collectives) keeps the whole model, its gradients and AdamW's
 two moments on every rank: 16 bytes per fp32 parameter, whatever the rank count. Here each rank
 keeps 1/P of each: `shard` wraps every transformer block, then the root (embedding, final norm,
 output projection), with `fully_shard` on a 1-D device mesh. A block's full weights exist only
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlcore.model import PrefixKV, Transformer
+from rlcore.models.transformer import PrefixKV, Transformer
 
 # torch.distributed's fsdp, tensor and checkpoint packages are imported by the functions that use
 # them: importing them takes over a second, which every process of a replicated run would pay.

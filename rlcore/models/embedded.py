@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from rlcore import EMBEDDED_DEFAULT
-from rlcore.checkpoint import save_model
-from rlcore.model import ModelConfig, Transformer
+from rlcore.models.hf_checkpoint import save_model
+from rlcore.models.transformer import ModelConfig, Transformer
 from rlcore.sft import sft
 
 if sys.version_info >= (3, 11):
@@ -129,9 +129,9 @@ def calculator_demos(tok, examples: list[dict], tool_every: int) -> tuple[list, 
     """(prompts, completions, loss masks): one demonstration per problem, rendered by the chat
     template exactly as a rollout builds it (tools.py). Every `tool_every`-th calls the calculator
     (the call's turn, the tool result's ids, masked out, then the answer); the rest answer directly."""
-    from rlcore.tasks import calculator
-    from rlcore.tool_schema import tool_schema
-    from rlcore.tools import tool_suffix_ids
+    from rlcore.data.tasks import calculator
+    from rlcore.tools.schema import tool_schema
+    from rlcore.tools.turns import tool_suffix_ids
 
     schemas, prompts, completions, masks = [tool_schema(calculator)], [], [], []
     for i, ex in enumerate(examples):
@@ -171,7 +171,7 @@ def build_embedded_model(path: str | Path, examples: list[dict], *, task: str = 
     if (path / "model.safetensors").is_file():
         return path
     print(f"building the embedded {task} model at {path} (first run only)", flush=True)
-    from rlcore.tokenizer import Tokenizer
+    from rlcore.models.tokenizer import Tokenizer
 
     recipe = {**RECIPES[task], **recipe}
     chat = task == "multiplication"

@@ -4,7 +4,7 @@ Loading builds the model on the meta device (no memory), then assigns the tensor
 disk, converted one at a time to the requested dtype: the process never holds a second full
 copy of the weights. Saving writes the same layout transformers writes, so
 `AutoModelForCausalLM.from_pretrained(path)` loads an rlcore checkpoint back.
-A run directory's checkpoints, which hold a model in this format, are rlcore.rundir's.
+A run directory's checkpoints, which hold a model in this format, are rlcore.run.rundir's.
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from rlcore import RlcoreWarning
-from rlcore.model import ModelConfig, Transformer, rope_inv_freq
-from rlcore.state import has_state
-from rlcore.tokenizer import checkpoint_dir_problem
-from rlcore.tokenizer import read_json as read_json_object
+from rlcore.models.transformer import ModelConfig, Transformer, rope_inv_freq
+from rlcore.models.tokenizer import checkpoint_dir_problem
+from rlcore.models.tokenizer import read_json as read_json_object
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -56,7 +55,7 @@ def check_model_dir(path: Path) -> None:
                                   f"in the clone, or hf download)")
     if (path / "config.json").is_file():
         return
-    if has_state(path) and (path / "model" / "config.json").is_file():
+    if (path / "model" / "config.json").is_file() and (path / "run_state.json").is_file():
         raise CheckpointError(f"{path} is an rlcore checkpoint; its model is {path / 'model'}: give that directory "
                               f"(or continue its run with --resume {path.parent})")
     if (path / "latest").is_file():
@@ -70,7 +69,8 @@ def check_model_dir(path: Path) -> None:
                           "holds config.json, model.safetensors and tokenizer.json")
 
 
-def load_config(path: str | os.PathLike) -> ModelConfig:
+def load_model_config(path: str | os.PathLike) -> ModelConfig:
+    """The `ModelConfig` of the checkpoint directory `path` (its config.json)."""
     path = Path(path)
     check_model_dir(path)
     cfg_file = path / "config.json"
@@ -161,7 +161,7 @@ def resolve_dtype(dtype: str, path: str | os.PathLike) -> str:
     tensor of the first weight file."""
     if dtype != "auto":
         return dtype
-    raw = load_config(path).raw
+    raw = load_model_config(path).raw
     name = raw.get("dtype") or raw.get("torch_dtype")
     if name is None:
         with open_weights(min(weight_files(Path(path)).values())) as f:
@@ -184,7 +184,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str = torch.float32
     """
     path = Path(path)
     dtype = DTYPES[resolve_dtype(dtype, path)] if isinstance(dtype, str) else dtype  # a name, or 'auto'
-    cfg = load_config(path)
+    cfg = load_model_config(path)
     files = weight_files(path)
     stored = stored_names(files)
     if cfg.tie_word_embeddings and tied_copy_differs(files, stored):

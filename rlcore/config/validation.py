@@ -2,8 +2,7 @@
 option combinations that conflict (errors) or that TRL also warns about (warnings).
 
 `validate` collects every problem into one ConfigError, so a user fixes a config in one go.
-`load_config` calls it for the world size it is given and `train()` for torchrun's; a config it
-has passed for that world size is not checked again, so a loaded config is checked once.
+`load_config` calls it once, for the rank count the run will have.
 """
 
 from __future__ import annotations
@@ -15,13 +14,13 @@ import typing
 import warnings
 
 from rlcore import ConfigError, RlcoreWarning
-from rlcore.answers import REWARDS
-from rlcore.geometry import Geometry
-from rlcore.options import LORA_TARGETS
-from rlcore.tasks import TASK_REWARD
+from rlcore.rewards.answers import REWARDS
+from rlcore.config.geometry import Geometry
+from rlcore.config.options import LORA_TARGETS
+from rlcore.data.tasks import TASK_REWARD
 
 if typing.TYPE_CHECKING:
-    from rlcore.config import Config
+    from rlcore.config.options import Config
 
 
 def warn_bf16_weights(config: Config, setting: str) -> None:
@@ -57,12 +56,9 @@ def non_finite(config: Config) -> list[str]:
 
 
 def validate(config: Config, world_size: int = 1) -> None:
-    """Check ranges and batch-size consistency (SPEC section 1); raise one ConfigError listing every problem
-    (NaN and infinite values first, alone: the range checks would misread them). A config that passed
-    for `world_size` and has not changed since passes again without a second check or warning."""
-    checked = (world_size, dataclasses.asdict(config))
-    if getattr(config, "validated", None) == checked:  # load_config's check, seen again by train()
-        return
+    """Check ranges and batch-size consistency (SPEC section 1) on `world_size` ranks; raise one
+    ConfigError listing every problem (NaN and infinite values first, alone: the range checks would
+    misread them)."""
     if problems := non_finite(config):
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
     problems = []
@@ -306,7 +302,6 @@ def validate(config: Config, world_size: int = 1) -> None:
     problems += lora_problems(config)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
-    config.validated = checked  # not a field: the world size and values this config passed for
 
 
 def lora_problems(config: Config) -> list[str]:
