@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 import rlcore.rollout
+import rlcore.rollout.completions
 from rlcore.data.datasets import format_prompt
 from rlcore.config.options import RolloutArgs
 from rlcore.run.setup import load_toolbox
@@ -141,7 +142,7 @@ def test_a_run_with_tools_on_qwen3_renders_prompts_and_tool_results_as_trl(qwen3
         seen.append(prompts)
         return fake(model, prompts, *args, **kwargs)
 
-    monkeypatch.setattr(rlcore.rollout, "generate", generate)
+    monkeypatch.setattr(rlcore.rollout.completions, "generate", generate)
     run = tmp_path / "run"
     train(config(qwen3_dir, run, "data.task=jsonl", f"data.path={data}"))
     assert sum("not prefix-preserving" in line for line in capsys.readouterr().out.splitlines()) == 1

@@ -295,7 +295,7 @@ def test_directories_that_are_not_a_model_say_what_they_are(hf_checkpoint, tmp_p
     path, _ = hf_checkpoint("qwen2")
     ck = tmp_path / "run" / "checkpoint-2"  # an rlcore checkpoint and its run directory
     save_model(load_model(path), ck / "model")
-    (ck / "trainer_state.pt").write_bytes(b"")
+    (ck / "run_state.json").write_text("{}")
     (tmp_path / "run" / "latest").write_text("checkpoint-2")
     with pytest.raises(CheckpointError, match=rf"{ck} is an rlcore checkpoint; its model is {ck / 'model'}: give "
                                               rf"that directory \(or continue its run with --resume {ck.parent}\)"):
@@ -334,11 +334,11 @@ def test_missing_shard_named(hf_checkpoint, tmp_path):
 
 
 def test_latest_naming_a_missing_checkpoint_says_missing_and_names_the_one_kept(tmp_path):
-    from rlcore.run.rundir import latest_checkpoint
+    from rlcore.run.checkpoints import latest_checkpoint
 
     for name in ("checkpoint-2", "checkpoint-10", "checkpoint-12.tmp"):  # the last is no checkpoint name
         (tmp_path / name).mkdir()
-        (tmp_path / name / "trainer_state.pt").write_bytes(b"")
+        (tmp_path / name / "run_state.json").write_text("{}")
     (tmp_path / "latest").write_text("checkpoint-14")
     with pytest.raises(FileNotFoundError, match=r"checkpoint-14: checkpoint named by .*latest is missing; the run "
                                                 r"directory keeps checkpoint-10: write its name into"):
@@ -356,12 +356,13 @@ def test_latest_naming_a_missing_checkpoint_says_missing_and_names_the_one_kept(
 
 
 def test_a_trainer_state_rlcore_did_not_write_is_named_with_the_keys_it_lacks(tmp_path):
-    from rlcore.run.rundir import load_trainer_state
+    from rlcore.run.checkpoints import load_trainer_state
+    from rlcore.run.state import write_state
 
     ck = tmp_path / "checkpoint-2"
     (ck / "model").mkdir(parents=True)
-    torch.save({"global_step": 2}, ck / "trainer_state.pt")  # another trainer's, or another version's
-    with pytest.raises(ValueError, match=rf"trainer_state\.pt is not an rlcore trainer state: it lacks optimizer, "
+    write_state(ck, {"global_step": 2})  # another trainer's
+    with pytest.raises(ValueError, match=rf"run_state\.json is not an rlcore trainer state: it lacks optimizer, "
                                          rf"scheduler, sampler_rng, .*--set model\.path={ck / 'model'}$"):
         load_trainer_state(ck)
 

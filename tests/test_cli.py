@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlcore.run.rundir import kept_checkpoint
+from rlcore.run.checkpoints import kept_checkpoint
 from rlcore.cli import interrupt, main
 from rlcore.run.state import read_state, write_state
 from test_train import NUM_EVAL, SEED, SMALL, cli_args, rows, weights
@@ -95,7 +95,7 @@ def wrong_signature(completion, answer_text):  # TRL passes prompts=, completion
 def test_cli_resume_of_a_run_without_config_toml_asks_for_its_config(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(cli_args(run, "train.max_steps=1")) == 0
-    (run / "config.toml").unlink()  # as a run started from Python by an earlier rlcore
+    (run / "config.toml").unlink()  # deleted by hand
     assert main(["train", "--resume", str(run), "--set", "train.max_steps=2"]) == 1
     assert f"the run directory has no config.toml; give the config the run was started with: rlcore train " \
            f"CONFIG --resume {run}" in capsys.readouterr().err
@@ -116,8 +116,8 @@ def test_cli_resume_keeps_the_embedded_model_its_data_seed_built(tmp_path, capsy
 def test_cli_resume_with_other_data_says_what_changed(tmp_path, capsys, monkeypatch):
     """Another data.path / seed / num_train on --resume (was silent): the checkpoint's data position
     counts rows of the old order, and the held-out set is drawn again."""
-    from rlcore.run.rundir import changed_data
     from rlcore.config.options import DataArgs
+    from rlcore.run.rundir import RunDir
 
     run = tmp_path / "run"
     assert main(cli_args(run, "train.max_steps=1")) == 0
@@ -132,8 +132,8 @@ def test_cli_resume_with_other_data_says_what_changed(tmp_path, capsys, monkeypa
     data.write_text("")
     (tmp_path / "config.toml").write_text(f'[data]\ntask = "jsonl"\npath = "{data}"\nseed = 3\n')
     monkeypatch.chdir(tmp_path)
-    assert changed_data(tmp_path / "config.toml", DataArgs(task="jsonl", path="./d.jsonl", seed=3)) == []
-    assert changed_data(tmp_path / "config.toml", DataArgs(task="jsonl", path="e.jsonl", seed=4)) == [
+    assert RunDir(tmp_path).changed_data(DataArgs(task="jsonl", path="./d.jsonl", seed=3)) == []
+    assert RunDir(tmp_path).changed_data(DataArgs(task="jsonl", path="e.jsonl", seed=4)) == [
         f"data.path = 'e.jsonl' (was '{data}')", "data.seed = 4 (was 3)"]
 
 
@@ -197,7 +197,7 @@ def test_cli_sigterm_stops_the_run_as_ctrl_c_does(tmp_path, capsys, monkeypatch)
         return kept_checkpoint(run)
 
     monkeypatch.setattr("rlcore.train.train", terminated)
-    monkeypatch.setattr("rlcore.run.rundir.kept_checkpoint", second_sigterm_while_reporting)
+    monkeypatch.setattr("rlcore.run.checkpoints.kept_checkpoint", second_sigterm_while_reporting)
     before = signal.getsignal(signal.SIGTERM)
     try:
         code = main(["train", "--resume", str(run), "--set", "train.max_steps=2"])
@@ -217,12 +217,14 @@ def test_cli_a_file_in_the_current_directory_does_not_shadow_a_dependency(tmp_pa
     assert run.returncode == 1 and "--resume nowhere: no such run directory" in run.stderr, run.stderr
 
 
-def test_cli_says_when_a_config_builds_on_the_embedded_default(tmp_path, capsys):
+def test_cli_says_when_a_config_builds_on_the_embedded_default(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("rlcore.train.train", lambda cfg, resume=None: {"before": None, "after": None})
+    monkeypatch.setattr("rlcore.cli.plot_metrics", lambda run: "")
     (tmp_path / "sapo.toml").write_text("[loss]\npolicy_loss = 'sapo'\n")
-    assert main(["train", str(tmp_path / "sapo.toml"), "--resume", str(tmp_path / "nothing")]) == 1
+    assert main(["train", str(tmp_path / "sapo.toml")]) == 0
     assert (f"{tmp_path / 'sapo.toml'} names no model (model.path), so it trains the embedded tiny model; the keys "
             f"it leaves unset take the embedded default's values") in capsys.readouterr().err
-    assert main(["train", str(tmp_path / "sapo.toml"), "--set", "model.path=/ckpt", "--resume", "nothing"]) == 1
+    assert main(["train", str(tmp_path / "sapo.toml"), "--set", "model.path=/ckpt"]) == 0
     assert "names no model" not in capsys.readouterr().err
 
 
@@ -264,7 +266,7 @@ def test_cli_resume_of_a_directory_without_checkpoints_is_an_error(tmp_path, cap
     assert "no checkpoint there" in capsys.readouterr().err
     ck = tmp_path / "run" / "checkpoint-3"  # the Trainer's resume_from_checkpoint takes a checkpoint
     ck.mkdir(parents=True)
-    (ck / "trainer_state.pt").write_bytes(b"")
+    (ck / "run_state.json").write_text("{}")
     assert main(["train", "--resume", str(ck)]) == 1
     assert f"it is a checkpoint: --resume takes its run directory, --resume {ck.parent}" in capsys.readouterr().err
 
@@ -345,12 +347,12 @@ def test_a_new_run_may_share_its_directory_with_a_log_and_dotfiles(tmp_path, cap
 
 
 def test_checkpoint_rotation_deletes_only_rlcore_checkpoints(tmp_path):
-    from rlcore.run.rundir import checkpoints
+    from rlcore.run.checkpoints import checkpoints
 
     run = tmp_path / "run"
     for step in (1, 2, 3):
         (run / f"checkpoint-{step}").mkdir(parents=True)
-    (run / "checkpoint-2" / "trainer_state.pt").write_bytes(b"")
+    (run / "checkpoint-2" / "run_state.json").write_text("{}")
     (run / "checkpoint-3" / "trainer_state.json").write_text("{}")
     assert checkpoints(run) == [run / "checkpoint-2"]
 
@@ -430,9 +432,9 @@ class RunsCode:
         return os.system, (f"touch {self.marker}",)
 
 
-def test_cli_resume_never_unpickles_code_from_a_trainer_state(tmp_path, capsys):
-    """A run directory may come from someone else: its trainer state loads without running code. Earlier
-    rlcore's trainer_state.pt is read with torch.load(weights_only=True), which refuses the payload."""
+def test_cli_resume_never_unpickles_a_trainer_state(tmp_path, capsys):
+    """A run directory may come from someone else: its trainer state loads without running code. A
+    pickled trainer_state.pt (an unreleased rlcore's) is refused, naming the file, never unpickled."""
     run, marker = tmp_path / "run", tmp_path / "marker"
     assert main(cli_args(run, "train.max_steps=1")) == 0
     ck = run / "checkpoint-1"
@@ -442,11 +444,8 @@ def test_cli_resume_never_unpickles_code_from_a_trainer_state(tmp_path, capsys):
     torch.save({**state, "evil": RunsCode(marker)}, ck / "trainer_state.pt")
     capsys.readouterr()
     assert main(["train", "--resume", str(run), "--set", "train.max_steps=2"]) == 1
-    assert f"{ck / 'trainer_state.pt'} cannot be read" in capsys.readouterr().err
+    assert f"{ck / 'trainer_state.pt'} is a pickled trainer state, which rlcore does not read" in capsys.readouterr().err
     assert not marker.exists()
-    torch.save(state, ck / "trainer_state.pt")  # an earlier rlcore's plain state still resumes
-    assert main(["train", "--resume", str(run), "--set", "train.max_steps=2"]) == 0
-    assert [r["step"] for r in rows(run)] == [1, 2]
 
 
 def test_cli_resume_from_truncated_weights_names_them_and_the_way_back(tmp_path, capsys):
@@ -459,19 +458,6 @@ def test_cli_resume_from_truncated_weights_names_them_and_the_way_back(tmp_path,
     err = capsys.readouterr().err
     assert f"{weights_file}: unreadable safetensors file" in err
     assert f"the run keeps checkpoint-1: write that name into {run / 'latest'} to resume from it" in err
-
-
-def test_cli_resume_of_a_checkpoint_with_one_optimizer_group_names_it(tmp_path, capsys):
-    # Written before weight decay skipped biases and norm weights: torch's own error names no file.
-    run = tmp_path / "run"
-    assert main(cli_args(run, "train.max_steps=1")) == 0
-    state = read_state(run / "checkpoint-1")
-    groups = state["optimizer"]["param_groups"]
-    groups[0]["params"] += groups.pop(1)["params"]
-    write_state(run / "checkpoint-1", state)
-    capsys.readouterr()
-    assert main(["train", "--resume", str(run), "--set", "train.max_steps=2"]) == 1
-    assert f"{run / 'checkpoint-1'} was saved by an earlier rlcore" in capsys.readouterr().err
 
 
 def test_cli_time_placeholder_gives_each_run_its_own_directory(tmp_path):
@@ -501,7 +487,7 @@ def test_an_error_rlcore_did_not_word_says_where_it_came_from_and_the_traceback_
     cfg.train.lr_scheduler_kwargs = {"num_cycles": "x"}  # past the config check, as before it checked values
     with pytest.raises(TypeError) as e:
         rlcore.run.setup.lr_lambda(cfg, 10)(5)
-    assert re.fullmatch(r"\nrlcore: \(raised at rlcore/setup\.py:\d+ in f; RLCORE_TRACEBACK=1 prints the traceback\)",
+    assert re.fullmatch(r"\nrlcore: \(raised at rlcore/run/setup\.py:\d+ in f; RLCORE_TRACEBACK=1 prints the traceback\)",
                         internal_origin(e.value))
     with pytest.raises(ValueError) as e:
         load_config(None, ["train.max_steps=0"])

@@ -98,7 +98,7 @@ assert collectives.leave(5) == 5  # no process group in this process: the status
 collectives._ended_group = True  # as after close() under torchrun
 atexit.register(lambda: print("atexit handler ran"))
 print("output before", end="")
-distributed.leave(3)
+collectives.leave(3)
 print("not reached")
 """
 
@@ -132,7 +132,7 @@ def generate(model, prompts, num_generations, max_new_tokens, eos_token_ids, pad
     rounds.append(prompts)
     return fixed_rollout(prompts, every[first:], eos_token_ids[0], pad_token_id)
 
-rlcore.rollout.generate = generate
+rlcore.rollout.completions.generate = generate
 rlcore.train.policy_loss = policy_loss
 sys.exit(main(sys.argv[1:]))
 """

@@ -34,9 +34,9 @@ def test_fp16_steps_track_fp32_steps(qwen_dir, tmp_path, monkeypatch):
 
 def test_an_fp16_overflow_skips_the_step_halves_the_scale_and_is_not_a_nonfinite_step(qwen_dir, tmp_path,
                                                                                       monkeypatch):
-    import rlcore.train
+    import rlcore.run.state
 
-    monkeypatch.setattr(rlcore.train, "GradScaler", functools.partial(torch.amp.GradScaler, init_scale=2.0 ** 100))
+    monkeypatch.setattr(rlcore.run.state, "GradScaler", functools.partial(torch.amp.GradScaler, init_scale=2.0 ** 100))
     data = write_gsm8k(tmp_path / "prompts.jsonl", range(8))
     _, rows, _ = run_rlcore({**OPTIONS, "fp16": True}, qwen_dir, data, tmp_path, monkeypatch)
     assert len(rows) == STEPS  # max_nonfinite_steps (3) does not stop the run: overflows are calibration

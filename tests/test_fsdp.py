@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rlcore.cli import main
-from rlcore.run.rundir import sharded_model
+from rlcore.run.export import sharded_model
 from test_distributed import FIXED_ROLLOUT
 from test_train import rows, torchrun, weights, without_timing
 from test_train_hf import write_gsm8k

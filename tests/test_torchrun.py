@@ -110,12 +110,9 @@ def test_the_run_prints_its_batch_geometry_and_a_skipped_step_raises_no_schedule
 
 def test_machines_sharing_a_cache_keep_the_first_build(tmp_path, monkeypatch):
     """Each builder works in directories of its own and renames the result into place; one that
-    finishes second keeps the first's model. A directory an older rlcore left half built in place
-    is replaced."""
+    finishes second keeps the first's model."""
     pool = unique_problems("arithmetic", 200, 0)
     path = tmp_path / "embedded"
-    path.mkdir()
-    (path / "tokenizer.json").write_text("{}")  # half built, in place
     build_embedded_model(path, pool, steps=2, batch_size=8, threads=1)
     first = (path / "model.safetensors").read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["embedded"]  # no .build-* or .tmp-* left

@@ -20,6 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import rlcore.rollout.completions
+import rlcore.run.rundir
 import rlcore.run.steplog
 import rlcore.train
 from rlcore.cli import DEFAULT_CONFIG, main
@@ -29,7 +31,7 @@ from rlcore.models.embedded import build_embedded_model
 from rlcore.run.state import read_state
 from rlcore.models.tokenizer import Tokenizer
 from rlcore.models.hf_checkpoint import load_model
-from rlcore.run.rundir import latest_checkpoint
+from rlcore.run.checkpoints import latest_checkpoint
 from rlcore.data.tasks import unique_problems
 from rlcore.train import train
 
@@ -286,7 +288,7 @@ def test_log_completions_writes_every_completion_with_its_rewards_and_advantage(
         lengths.extend(ro.lengths.tolist() if kwargs["temperature"] > 0 else [])  # not the greedy evaluation
         return ro
 
-    monkeypatch.setattr(rlcore.rollout, "generate", generate)
+    monkeypatch.setattr(rlcore.rollout.completions, "generate", generate)
     run = tmp_path / "run"
     train(config(run, "train.max_steps=4", "loss.num_iterations=2", "train.log_completions=true",
                  "train.num_completions_to_print=2",
@@ -422,7 +424,7 @@ def test_mismatch_metrics_compare_engine_and_trainer_logprobs(tmp_path, monkeypa
         ro = real(*args, **kwargs)
         return dataclasses.replace(ro, sampling_logprobs=ro.sampling_logprobs - c)
 
-    monkeypatch.setattr(rlcore.rollout, "generate", generate_shifted)
+    monkeypatch.setattr(rlcore.rollout.completions, "generate", generate_shifted)
     run = tmp_path / "run"
     train(config(run, "train.max_steps=2", f"loss.num_iterations={mu}"))
     for r in rows(run):
@@ -443,7 +445,7 @@ def test_tis_weights_the_loss_by_the_trainer_to_engine_ratio_clamped_at_tis_max(
         ro = real(*args, **kwargs)
         return dataclasses.replace(ro, sampling_logprobs=ro.sampling_logprobs - c)
 
-    monkeypatch.setattr(rlcore.rollout, "generate", generate_shifted)
+    monkeypatch.setattr(rlcore.rollout.completions, "generate", generate_shifted)
     train(config(tmp_path / "plain", "train.max_steps=1", UNEVEN))
     (plain,) = rows(tmp_path / "plain")
     assert abs(plain["loss"]) > 1e-4
@@ -484,7 +486,7 @@ def test_bf16_on_cpu_trains_with_a_bf16_rollout(tmp_path, monkeypatch):
         calls["forward"].append(amp)
         return real_logprobs(model, ids, attn, Lp, cids, temperature, amp, *rest)
 
-    monkeypatch.setattr(rlcore.rollout, "generate", generate)
+    monkeypatch.setattr(rlcore.rollout.completions, "generate", generate)
     monkeypatch.setattr(rlcore.train, "completion_logprobs", completion_logprobs)
     run = tmp_path / "run"
     train(config(run, "train.max_steps=2", "loss.num_iterations=2", "train.bf16=true"))
@@ -550,7 +552,7 @@ def run_and_crash(tmp_path, steps, crash_step=4) -> tuple[Path, Path]:
     """Run A: the CLI with `steps`, uninterrupted, in tmp_path/a. Run B: the same in tmp_path/b,
     killed as it reaches its step-`crash_step` checkpoint (the metrics rows before it written)."""
     assert main(cli_args(tmp_path / "a", *steps)) == 0
-    real = rlcore.train.save_checkpoint
+    real = rlcore.run.rundir.save_checkpoint
 
     def dies(run, step, *args, **kwargs):
         if step == crash_step:
@@ -558,7 +560,7 @@ def run_and_crash(tmp_path, steps, crash_step=4) -> tuple[Path, Path]:
         return real(run, step, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rlcore.train, "save_checkpoint", dies)
+        mp.setattr(rlcore.run.rundir, "save_checkpoint", dies)
         with pytest.raises(Killed):
             main(cli_args(tmp_path / "b", *steps))
     return tmp_path / "a", tmp_path / "b"
@@ -693,9 +695,9 @@ def test_resume_keeps_counting_nonfinite_steps_in_a_row(tmp_path, monkeypatch):
 
 def test_resume_drops_a_metrics_row_torn_by_the_crash(tmp_path, monkeypatch):
     # The process dies while appending row 3 (after checkpoint-2): the file ends in half a row.
-    import rlcore.train
+    import rlcore.run.steplog
 
-    run, real = tmp_path / "run", rlcore.train.log_line
+    run, real = tmp_path / "run", rlcore.run.steplog.log_line
 
     def torn_at_step_3(step, *args):
         if step == 3:
@@ -704,7 +706,7 @@ def test_resume_drops_a_metrics_row_torn_by_the_crash(tmp_path, monkeypatch):
             raise Killed
         return real(step, *args)
 
-    monkeypatch.setattr(rlcore.train, "log_line", torn_at_step_3)
+    monkeypatch.setattr(rlcore.run.steplog, "log_line", torn_at_step_3)
     with pytest.raises(Killed):
         main(cli_args(run, "train.max_steps=3", "train.save_steps=1", "train.logging_steps=1"))
     monkeypatch.undo()
@@ -800,15 +802,15 @@ def aggregate_nan_on(monkeypatch, bad_steps, gradient_too=True):
 
 @pytest.mark.parametrize("gradient_too", [True, False])
 def test_nonfinite_loss_skips_the_step_and_is_counted(gradient_too, tmp_path, monkeypatch):
-    import rlcore.train
+    import rlcore.run.rundir
 
-    snapshots, real = {}, rlcore.train.save_checkpoint
+    snapshots, real = {}, rlcore.run.rundir.save_checkpoint
 
     def save_and_snapshot(run, step, model, *args, **kwargs):
         snapshots[step] = {k: v.clone() for k, v in model.state_dict().items()}
         return real(run, step, model, *args, **kwargs)
 
-    monkeypatch.setattr(rlcore.train, "save_checkpoint", save_and_snapshot)
+    monkeypatch.setattr(rlcore.run.rundir, "save_checkpoint", save_and_snapshot)
     aggregate_nan_on(monkeypatch, {2}, gradient_too)
     run = tmp_path / "run"
     train(config(run, "train.max_steps=3", "train.save_steps=1"))

@@ -151,7 +151,7 @@ def test_stop_strings_are_encoded_without_the_bos_a_llama_tokenizer_adds(gsm8k_f
         seen.append(kwargs.get("stop_sequences"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(rlcore.rollout, "generate", spy)
+    monkeypatch.setattr(rlcore.rollout.completions, "generate", spy)
     train(load_config(None, [
         f"model.path={path}", "data.task=jsonl", f"data.path={gsm8k_file}", "data.prompt_column=question",
         "data.num_eval=4", "data.use_chat_template=false", "rollout.num_generations=4",

@@ -13,8 +13,9 @@ import json
 import pytest
 import torch
 
+import rlcore.rollout.completions
 import rlcore.train
-from rlcore.run.rundir import latest_checkpoint
+from rlcore.run.checkpoints import latest_checkpoint
 from rlcore.cli import main
 from rlcore.train import train
 from test_train import cli_args, config, rows, run_and_crash, torchrun, weights, without_timing
@@ -156,7 +157,7 @@ def test_repetition_penalty_reaches_the_rollouts_and_the_trainer_compares_unpena
         penalties.append((kwargs["temperature"], kwargs.get("repetition_penalty", 1.0)))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(rlcore.rollout, "generate", generate)
+    monkeypatch.setattr(rlcore.rollout.completions, "generate", generate)
     run = tmp_path / "run"
     train(config(run, "train.max_steps=1", "rollout.repetition_penalty=2.0"))
     assert penalties == [(0.0, 1.0), (1.0, 2.0), (0.0, 1.0)]  # evaluation, the round, evaluation
@@ -235,7 +236,7 @@ def test_off_policy_mask_drops_negative_advantage_rows_the_engine_sampled_far_of
         seen.append((adv, per_token.detach(), mask))
         return per_token, m
 
-    monkeypatch.setattr(rlcore.rollout, "generate", generate_shifted)
+    monkeypatch.setattr(rlcore.rollout.completions, "generate", generate_shifted)
     monkeypatch.setattr(rlcore.train, "policy_loss", spy)
     run = tmp_path / "run"
     train(config(run, "train.max_steps=2", "off_policy_mask_threshold=0.5"))

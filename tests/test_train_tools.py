@@ -11,6 +11,7 @@ import torch
 import trl
 
 import rlcore.rollout
+import rlcore.rollout.completions
 import rlcore.train
 from rlcore import ConfigError
 from rlcore.cli import DEFAULT_CONFIG
@@ -91,7 +92,7 @@ def tool_calling_generate(tok: Tokenizer, record: list):
 
 def test_tool_results_are_out_of_the_loss_and_the_dapo_token_count(model_dir, tmp_path, monkeypatch):
     tok, record, seen = Tokenizer.from_dir(model_dir), [], {}
-    monkeypatch.setattr(rlcore.rollout, "generate", tool_calling_generate(tok, record))
+    monkeypatch.setattr(rlcore.rollout.completions, "generate", tool_calling_generate(tok, record))
     real_loss, real_aggregate = rlcore.train.policy_loss, rlcore.train.aggregate_loss
 
     def policy_loss(logp, old, adv, mask, **kwargs):
@@ -117,7 +118,7 @@ def test_tool_results_are_out_of_the_loss_and_the_dapo_token_count(model_dir, tm
 
 def test_tool_metrics_count_calls_failures_turns_and_users(model_dir, tmp_path, monkeypatch):
     tok, record = Tokenizer.from_dir(model_dir), []
-    monkeypatch.setattr(rlcore.rollout, "generate", tool_calling_generate(tok, record))
+    monkeypatch.setattr(rlcore.rollout.completions, "generate", tool_calling_generate(tok, record))
     run = tmp_path / "run"
     train(config(model_dir, run))
     row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
@@ -168,7 +169,7 @@ def test_a_sampled_run_with_tools_decodes_through_end_of_turn(model_dir, tmp_pat
         calls.append(kwargs.get("end_of_turn"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(rlcore.rollout, "generate", generate)
+    monkeypatch.setattr(rlcore.rollout.completions, "generate", generate)
     run = tmp_path / "run"
     train(config(model_dir, run, "rollout.max_tool_calling_iterations=2"))
     # the held-out evaluation before and after training, and the round, each with tool turns
@@ -224,7 +225,7 @@ def test_each_completion_gets_a_reset_environment_and_its_prompt(model_dir, tmp_
             seen.append((prompts, end_of_turn))
         return fake(model, prompts, *args, end_of_turn=end_of_turn, **kwargs)
 
-    monkeypatch.setattr(rlcore.rollout, "generate", generate)
+    monkeypatch.setattr(rlcore.rollout.completions, "generate", generate)
     train(config(model_dir, tmp_path / "run", "data.task=jsonl", f"data.path={data}",
                  f"rollout.environment_factory={__name__}:Counter",
                  f"loss.reward_funcs=['conftest:token_reward', '{__name__}:environment_reward']"))
@@ -253,7 +254,7 @@ def test_an_environment_s_get_reward_is_one_more_reward_of_weight_1_named_after_
         model_dir, tmp_path, monkeypatch):
     """As TRL: get_reward's scores are a reward column named after the class, weighted 1 after
     loss.reward_weights, in the advantages, the metrics and the held-out evaluation."""
-    monkeypatch.setattr(rlcore.rollout, "generate", tool_calling_generate(Tokenizer.from_dir(model_dir), []))
+    monkeypatch.setattr(rlcore.rollout.completions, "generate", tool_calling_generate(Tokenizer.from_dir(model_dir), []))
     run = tmp_path / "run"
     cfg = config(model_dir, run, "data.task=jsonl", f"data.path={chat_data(tmp_path)}", "train.log_completions=true",
                  f"rollout.environment_factory={__name__}:Scored", "loss.reward_weights=[2.0]")
@@ -272,7 +273,7 @@ def test_an_environment_s_get_reward_is_one_more_reward_of_weight_1_named_after_
 
 def test_an_environment_that_scores_is_reward_enough_and_one_that_does_not_is_an_error(
         model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(rlcore.rollout, "generate", tool_calling_generate(Tokenizer.from_dir(model_dir), []))
+    monkeypatch.setattr(rlcore.rollout.completions, "generate", tool_calling_generate(Tokenizer.from_dir(model_dir), []))
     data = chat_data(tmp_path)
     run = tmp_path / "run"
     train(config(model_dir, run, "data.task=jsonl", f"data.path={data}", f"rollout.environment_factory={__name__}:Scored",
@@ -285,7 +286,7 @@ def test_an_environment_that_scores_is_reward_enough_and_one_that_does_not_is_an
 
 def test_reward_functions_get_a_completion_of_several_turns_as_its_messages(model_dir, tmp_path, monkeypatch):
     """TRL's shape: the assistant turn with its tool_calls, the tool message, the final turn."""
-    monkeypatch.setattr(rlcore.rollout, "generate", tool_calling_generate(Tokenizer.from_dir(model_dir), []))
+    monkeypatch.setattr(rlcore.rollout.completions, "generate", tool_calling_generate(Tokenizer.from_dir(model_dir), []))
     run = tmp_path / "run"
     train(config(model_dir, run, "train.log_completions=true"))
     records = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]

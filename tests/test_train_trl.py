@@ -113,7 +113,7 @@ def run_rlcore(options: dict, model_dir, data, tmp_path, monkeypatch, thresholds
         return fixed_rollout(prompts, fixed_completions(len(rounds) - 1, len(prompts), tok.eos_token_id, T),
                              tok.eos_token_id, tok.pad_token_id)
 
-    monkeypatch.setattr(rlcore.rollout, "generate", fixed_generate)
+    monkeypatch.setattr(rlcore.rollout.completions, "generate", fixed_generate)
     run = tmp_path / "rlcore"
     cfg = load_config(None, [f"{k}={toml_value(v)}" for k, v in {**COMMON, **options}.items()] + [
         f"model.path={model_dir}", "data.task=jsonl", f"data.path={data}", "data.prompt_column=question",

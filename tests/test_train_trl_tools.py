@@ -206,6 +206,7 @@ def run_rlcore(options: dict, model_dir, script: Script, tmp_path, monkeypatch, 
     messages), each round's (prompt ids, completion ids, tool mask) per row, each micro-batch's
     loss, the metrics rows and the trained weights."""
     import rlcore.rollout
+    import rlcore.rollout.completions
     import rlcore.run.setup
     import rlcore.train
 
@@ -232,7 +233,7 @@ def run_rlcore(options: dict, model_dir, script: Script, tmp_path, monkeypatch, 
             losses.append(loss.item())
             return loss
 
-        spies.setattr(rlcore.rollout, "generate", generate)
+        spies.setattr(rlcore.rollout.completions, "generate", generate)
         spies.setattr(rlcore.run.setup.Run, "tool_turns", tool_turns)
         spies.setattr(rlcore.train, "aggregate_loss", aggregate_loss)
         if thresholds is not None:

@@ -196,8 +196,6 @@ def build_embedded_model(path: str | Path, examples: list[dict], *, task: str = 
             torch.set_num_threads(before)
         files = {n: tmp / n for n in ("tokenizer.json", "tokenizer_config.json", "generation_config.json")}
         save_model(model, tmp / "model", extra_files=files)
-        if path.is_dir() and not (path / "model.safetensors").is_file():
-            shutil.rmtree(path, ignore_errors=True)  # a build an older rlcore left unfinished in place
         try:
             os.rename(tmp / "model", path)
         except OSError:  # another process finished first: keep its build

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch.amp import GradScaler
 
 from rlcore.config.options import Config
 from rlcore.losses.entropy import EntropyBonus
@@ -115,7 +116,7 @@ class RunState:
     nonfinite_in_row: int = 0  # skipped optimizer steps in a row; train.max_nonfinite_steps stops the run
     nonfinite_total: int = 0
     before: float | None = None  # held-out accuracy before the first step
-    scaler: torch.amp.GradScaler = field(default_factory=lambda: torch.amp.GradScaler("cpu", enabled=False))
+    scaler: GradScaler = field(default_factory=lambda: GradScaler("cpu", enabled=False))
     """train.fp16's dynamic loss scale (disabled otherwise)"""
     overflow_skips: int = 0  # fp16 steps skipped while the loss scale calibrates (not non-finite steps)
 
@@ -127,7 +128,7 @@ class RunState:
                    shuffler=torch.Generator(device=device).manual_seed(cfg.train.seed),  # micro-batch order
                    bonus=EntropyBonus(loss_cfg.entropy_coef, loss_cfg.use_adaptive_entropy, loss_cfg.entropy_target,
                                       loss_cfg.entropy_coef_delta, loss_cfg.entropy_coef_min, loss_cfg.entropy_coef_max),
-                   scaler=torch.amp.GradScaler(device.type, enabled=cfg.train.fp16))  # fp16's dynamic loss scale
+                   scaler=GradScaler(device.type, enabled=cfg.train.fp16))  # fp16's dynamic loss scale
 
     def resume_point(self) -> dict:
         """Where the next round starts (data position and RNGs): what a checkpoint continues from."""

@@ -1,4 +1,4 @@
-"""What a run records (rlcore/runlog.py): step metrics combined over micro-batches and ranks,
+"""What a run records (rlcore/run/steplog.py, rundir.py): step metrics combined over micro-batches and ranks,
 completions.jsonl's columns, and the rows a resume keeps."""
 
 import types
@@ -9,7 +9,8 @@ import torch
 import rlcore.run.steplog
 from conftest import exit_spawned_rank
 from rlcore.losses.policy import PolicyLossOptions, policy_loss
-from rlcore.run.steplog import Progress, drop_rows_after, log_completions, log_line, reduce_metrics
+from rlcore.run.rundir import RunDir, drop_rows_after
+from rlcore.run.steplog import Progress, log_line, reduce_metrics
 
 
 def test_step_metrics_weight_micro_batches_by_active_tokens():
@@ -77,7 +78,7 @@ def test_step_metrics_with_different_keys_per_micro_batch_are_an_error():
 def test_log_completions_refuses_a_log_extra_column_it_cannot_write(column, values, error, tmp_path):
     texts = [(["1+1=", "1+1="], ["2", "3"], {column: values})]
     with pytest.raises(ValueError, match=error):
-        log_completions(tmp_path, 1, texts, torch.ones(2, 1), torch.zeros(2), torch.ones(2), ["r"], None)
+        RunDir(tmp_path).log_completions(1, texts, torch.ones(2, 1), torch.zeros(2), torch.ones(2), ["r"], None)
 
 
 def test_a_resume_drops_rows_after_the_checkpoint_and_a_line_cut_short(tmp_path):
