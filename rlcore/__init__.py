@@ -4,7 +4,7 @@ from pathlib import Path
 
 __version__ = "0.1.0"
 
-EMBEDDED_DEFAULT = Path(__file__).parent / "config" / "default.toml"  # the embedded default run: `rlcore train` with no config
+EMBEDDED_DEFAULT = Path(__file__).parent / "config" / "default.toml"  # the run `rlcore train` runs with no config
 
 
 class RlcoreWarning(UserWarning):

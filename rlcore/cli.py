@@ -212,18 +212,18 @@ def run_command(argv: list[str] | None = None) -> int:
     from rlcore.rewards.scoring import RewardFunctionError
     from rlcore.train import train
 
-    run = Path(cfg.train.output_dir)
+    output_dir = Path(cfg.train.output_dir)
     t0 = time.time()
     main_thread = threading.current_thread() is threading.main_thread()  # where Python runs signal handlers
     previous = signal.signal(signal.SIGTERM, interrupt) if main_thread else None
     try:
         result = train(cfg, resume=run_dir)
     except RewardFunctionError as e:  # the user's function failed: its own frames, not rlcore's
-        kept = kept_checkpoint(run)
+        kept = kept_checkpoint(output_dir)
         # train() checkpoints the run as it was when the function failed: before the round it was
         # scoring changed any weight, or after the step whose held-out evaluation it was scoring
-        after = (f"{run} keeps {kept}, the run as it was when the function failed: once the function is fixed, "
-                 f"continue with {resume_command(run, world)}" if kept
+        after = (f"{output_dir} keeps {kept}, the run as it was when the function failed: once the function is fixed, "
+                 f"continue with {resume_command(output_dir, world)}" if kept
                  else "it failed before the run's first checkpoint (in the held-out evaluation before training, "
                       "or in the first round), so there is none: a run started again starts over")
         report(f"rlcore: error: {e}\n{e.trace}".rstrip("\n") + f"\nrlcore: {after}", e)
@@ -238,8 +238,9 @@ def run_command(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (kill, a scheduler; torchrun passes on the signal it got)
         if launch_rank() != 0:
             return 130
-        kept = kept_checkpoint(run)
-        print("\nrlcore: interrupted; " + (f"{run} keeps {kept}: continue with {resume_command(run, world)}" if kept
+        kept = kept_checkpoint(output_dir)
+        print("\nrlcore: interrupted; " + (f"{output_dir} keeps {kept}: continue with "
+                                           f"{resume_command(output_dir, world)}" if kept
               else "no checkpoint was written yet, so there is nothing to resume: run the command again to start "
                    "over"), file=sys.stderr)
         return 130
@@ -249,8 +250,8 @@ def run_command(argv: list[str] | None = None) -> int:
         collectives.close()  # under torchrun: before exit, not in the interpreter's teardown
     if launch_rank() != 0:  # under torchrun, rank 0 reports
         return 0
-    print(f"run directory: {run}  ({time.time() - t0:.0f}s)")
-    print(plot_metrics(run))
+    print(f"run directory: {output_dir}  ({time.time() - t0:.0f}s)")
+    print(plot_metrics(output_dir))
     if result["before"] is None or result["after"] is None:  # nothing held out, or nothing to check it against
         print("held-out accuracy: none (no held-out prompt with an answer: data.num_eval, data.answer_column)")
     else:

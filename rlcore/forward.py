@@ -109,7 +109,7 @@ class SharedPrompts:
 
         shared = SharedPrompts.build(model, ids[step_rows], attn[step_rows], Lp)  # None: nothing repeats
         for r in the_steps_micro_batches:
-            completion_logprobs(model, ids[r], attn[r], Lp, cids[r], shared=shared) ... backward()
+            completion_logprobs(model, ids[r], attn[r], Lp, completion_ids[r], shared=shared) ... backward()
         if shared is not None:
             shared.backward()
     """

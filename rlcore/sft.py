@@ -24,19 +24,20 @@ def sft(model: Transformer, prompts: list[list[int]], completions: list[list[int
     results) out of the loss; None trains on every completion token."""
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    g = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
     losses, t0 = [], time.time()
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
-        rows = torch.randint(len(prompts), (batch_size,), generator=g).tolist()
-        ids, attn, cids, cmask, Lp = pack([prompts[i] for i in rows], [completions[i] for i in rows], pad_id)
-        logp, _ = completion_logprobs(model, ids.to(device), attn, Lp, cids.to(device))
+        rows = torch.randint(len(prompts), (batch_size,), generator=generator).tolist()
+        ids, attn, completion_ids, completion_mask, Lp = pack([prompts[i] for i in rows],
+                                                              [completions[i] for i in rows], pad_id)
+        logp, _ = completion_logprobs(model, ids.to(device), attn, Lp, completion_ids.to(device))
         if masks is not None:
             for j, i in enumerate(rows):
-                cmask[j, :len(masks[i])] *= torch.tensor(masks[i], dtype=cmask.dtype)
-        cmask = cmask.to(device)
-        loss = -(logp * cmask).sum() / cmask.sum()
+                completion_mask[j, :len(masks[i])] *= torch.tensor(masks[i], dtype=completion_mask.dtype)
+        completion_mask = completion_mask.to(device)
+        loss = -(logp * completion_mask).sum() / completion_mask.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -27,7 +27,6 @@ metrics rows are `StepLog`'s; the held-out evaluation is `rlcore.evaluation`. Th
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
@@ -53,7 +52,7 @@ from rlcore.rollout.engine import Rollout
 from rlcore.run.rundir import RunDir
 from rlcore.run.setup import Run, setup
 from rlcore.run.state import RunState
-from rlcore.run.steplog import MicroBatch, Progress, Stepped, StepLog
+from rlcore.run.steplog import MicroBatch, Progress, StepLog, Stepped
 from rlcore.tools.turns import ToolTurns
 
 
@@ -161,7 +160,8 @@ class RoundBatch:
     def of(cls, rollout: Rollout, completion_ids: list[list[int]], advantages: torch.Tensor, pad_token_id: int,
            device: torch.device, mask_truncated_completions: bool) -> RoundBatch:
         ids, attn, cids, mask, Lp = pack(rollout.prompt_ids, completion_ids, pad_token_id)
-        # the engine's log-probs before the repetition penalty and top-k/top-p/min-p when it kept them: the policy's (SPEC 4)
+        # the engine's log-probs before the repetition penalty and top-k/top-p/min-p when it kept
+        # them: the policy's own (SPEC 4)
         samp = rollout.full_logprobs if rollout.full_logprobs is not None else rollout.sampling_logprobs
         mask, lengths = mask.to(device), rollout.lengths.to(device)
         if rollout.tool_mask is not None:  # tool results are in the sequence, not the model's: out of the loss (TRL)

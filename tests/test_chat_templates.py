@@ -1,12 +1,11 @@
 """The chat template of a run with tools, against TRL 1.16's GRPOTrainer: where the model's template
 is not prefix-preserving (Qwen3's drops an earlier assistant turn's empty <think> block once a tool
 message follows), GRPOTrainer.__init__ renders with get_training_chat_template's instead, and so
-does rlcore (rlcore/chat_templates, setup.load_toolbox): the tool results, the prompts, the
+does rlcore (rlcore/models/chat_templates, run.setup.load_toolbox): the tool results, the prompts, the
 held-out prompts. The checkpoints are tiny ones with TRL's stock templates (test_tools.checkpoint).
 """
 
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest

@@ -16,7 +16,7 @@ import torch
 
 from rlcore.run.checkpoints import kept_checkpoint
 from rlcore.cli import interrupt, main
-from rlcore.run.state import read_state, write_state
+from rlcore.run.state import read_state
 from test_train import NUM_EVAL, SEED, SMALL, cli_args, rows, weights
 
 pytestmark = pytest.mark.usefixtures("embedded_dir")  # conftest: the embedded model, one torch thread

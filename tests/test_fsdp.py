@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from rlcore.cli import main
+from rlcore.models.transformer import ModelConfig, Transformer
 from rlcore.run.export import sharded_model
 from test_distributed import FIXED_ROLLOUT
 from test_train import rows, torchrun, weights, without_timing
@@ -218,8 +219,7 @@ def test_rlcore_export_gathers_a_sharded_checkpoint_into_a_hugging_face_model(se
 
 # ---- rlcore.parallel.fsdp in 2 spawned gloo processes, on a tiny random model ----
 
-def tiny_model(tied: bool, dtype=torch.float64) -> "Transformer":
-    from rlcore.models.transformer import ModelConfig, Transformer
+def tiny_model(tied: bool, dtype=torch.float64) -> Transformer:
 
     torch.manual_seed(0)
     cfg = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from rlcore import ConfigError
 
 if typing.TYPE_CHECKING:
-    from rlcore.config.options import Config
-    from rlcore.config.options import TrainArgs
+    from rlcore.config.options import Config, TrainArgs
 
 
 def generation_steps(train: TrainArgs, world_size: int) -> int:

@@ -25,8 +25,8 @@ from pathlib import Path
 from rlcore import EMBEDDED_DEFAULT, ConfigError, RlcoreWarning
 from rlcore.config import trl_names
 from rlcore.config.options import EMBEDDED_MODEL_PATHS, PATH_OPTIONS, SECTIONS, Config, field_names, sections_with
-from rlcore.config.values import accepts, check_type, shell_set, toml_literal, toml_value
 from rlcore.config.validation import validate
+from rlcore.config.values import accepts, check_type, shell_set, toml_literal, toml_value
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -158,9 +158,9 @@ def load_config(path: str | None = None, overrides: list[str] = (), world_size: 
             base["train"].pop("max_steps", None)  # the file counts epochs (as a layer of its own would)
         settings = {section: {**base.get(section, {}), **settings.get(section, {})} for section in {*base, *settings}}
     if empty:
-        warnings.warn(f"config file {path} sets nothing: the run is " + ("the embedded default (rlcore/config/default.toml)"
-                      if base else "rlcore's defaults (rlcore options)") + " with the --set values",
-                      RlcoreWarning, stacklevel=2)
+        run = "the embedded default (rlcore/config/default.toml)" if base else "rlcore's defaults (rlcore options)"
+        warnings.warn(f"config file {path} sets nothing: the run is {run} with the --set values", RlcoreWarning,
+                      stacklevel=2)
     given = {(section, key) for section, values in layer.items() for key in values}
     trl_names.expand_loss_type(layer)  # --set loss_type=cispo sets policy_loss too, over the file's
     for section, values in layer.items():

@@ -14,10 +14,10 @@ import typing
 import warnings
 
 from rlcore import ConfigError, RlcoreWarning
-from rlcore.rewards.answers import REWARDS
 from rlcore.config.geometry import Geometry
 from rlcore.config.options import LORA_TARGETS
 from rlcore.data.tasks import TASK_REWARD
+from rlcore.rewards.answers import REWARDS
 
 if typing.TYPE_CHECKING:
     from rlcore.config.options import Config

@@ -16,8 +16,8 @@ import warnings
 from pathlib import Path
 
 from rlcore import RlcoreWarning
-from rlcore.rewards.scoring import REWARD_KEYWORDS
 from rlcore.data.tasks import train_eval_split
+from rlcore.rewards.scoring import REWARD_KEYWORDS
 
 
 class DataError(ValueError):

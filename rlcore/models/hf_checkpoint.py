@@ -22,9 +22,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from rlcore import RlcoreWarning
-from rlcore.models.transformer import ModelConfig, Transformer, rope_inv_freq
 from rlcore.models.tokenizer import checkpoint_dir_problem
 from rlcore.models.tokenizer import read_json as read_json_object
+from rlcore.models.transformer import ModelConfig, Transformer, rope_inv_freq
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
+from rlcore.config.options import LORA_TARGETS
 from rlcore.models.hf_checkpoint import CheckpointError, fsync_dir, listed, open_weights, read_json
 from rlcore.models.transformer import Transformer
-from rlcore.config.options import LORA_TARGETS
 
 TARGETS = LORA_TARGETS  # the projections adapters can go on
 ADAPTER_CONFIG = "adapter_config.json"

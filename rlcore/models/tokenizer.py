@@ -62,13 +62,13 @@ def read_json(path: Path) -> dict:
         return {}
     try:
         with open(path, encoding="utf-8") as f:
-            d = json.load(f)
+            obj = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path} is not valid JSON ({err}); re-download or re-save the checkpoint") from err
-    if not isinstance(d, dict):
-        raise ValueError(f"{path}: expected a JSON object, got a {type(d).__name__}; re-download or re-save "
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: expected a JSON object, got a {type(obj).__name__}; re-download or re-save "
                          f"the checkpoint")
-    return d
+    return obj
 
 
 def checkpoint_dir_problem(path: Path) -> str | None:

@@ -58,9 +58,9 @@ class ModelConfig:
     raw: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_hf(cls, d: dict, source: str = "config.json") -> "ModelConfig":
+    def from_hf(cls, hf: dict, source: str = "config.json") -> "ModelConfig":
         """Build from the parsed `config.json` dict; `source` names the file in errors."""
-        model_type = d.get("model_type")
+        model_type = hf.get("model_type")
         if model_type is None:
             raise ValueError(f"{source}: no model_type key; add the family, \"model_type\": one of "
                              f"{', '.join(repr(t) for t in SUPPORTED_MODEL_TYPES)}")
@@ -70,48 +70,48 @@ class ModelConfig:
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads") if k not in d]
+                               "num_attention_heads") if k not in hf]
         if missing:
             raise ValueError(f"{source}: missing required keys {missing}; every {model_type} config.json "
                              f"transformers writes has them: check that the file is complete")
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                     "num_key_value_heads", "head_dim"):
-            value = d.get(key)
+            value = hf.get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{source}: {key} = {value!r} must be a positive integer")
-        heads, kv_heads = d["num_attention_heads"], d.get("num_key_value_heads") or d["num_attention_heads"]
+        heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
         if heads % kv_heads:
             raise ValueError(f"{source}: num_attention_heads = {heads} is not a multiple of "
                              f"num_key_value_heads = {kv_heads}")
-        if not d.get("head_dim") and d["hidden_size"] % heads:
-            raise ValueError(f"{source}: hidden_size = {d['hidden_size']} is not divisible by "
+        if not hf.get("head_dim") and hf["hidden_size"] % heads:
+            raise ValueError(f"{source}: hidden_size = {hf['hidden_size']} is not divisible by "
                              f"num_attention_heads = {heads}, and there is no head_dim")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{source}: hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
-        if d.get("use_sliding_window", False):
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
+        if hf.get("use_sliding_window", False):
             raise ValueError(f"{source}: use_sliding_window=true is not supported; set it to false")
-        theta, scaling = read_rope(d, source)
-        attention_bias = bool(d.get("attention_bias", False))
+        theta, scaling = read_rope(hf, source)
+        attention_bias = bool(hf.get("attention_bias", False))
         return cls(
             model_type=model_type,
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             # transformers' Qwen3Config defaults head_dim to 128; Llama and Qwen2 derive it
-            head_dim=d.get("head_dim") or (128 if model_type == "qwen3" else d["hidden_size"] // heads),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            head_dim=hf.get("head_dim") or (128 if model_type == "qwen3" else hf["hidden_size"] // heads),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=True if model_type == "qwen2" else attention_bias,
             o_bias=False if model_type == "qwen2" else attention_bias,
-            mlp_bias=bool(d.get("mlp_bias", False)) if model_type == "llama" else False,
+            mlp_bias=bool(hf.get("mlp_bias", False)) if model_type == "llama" else False,
             qk_norm=model_type == "qwen3",
-            raw=dict(d),
+            raw=dict(hf),
         )
 
 
@@ -119,7 +119,7 @@ def positive_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
-def read_rope(d: dict, source: str = "config.json") -> tuple[float, dict | None]:
+def read_rope(hf: dict, source: str = "config.json") -> tuple[float, dict | None]:
     """(rope_theta, scaling dict or None) from a parsed `config.json`, as transformers reads it.
 
     transformers >= 5 writes `rope_parameters` (theta inside); older files have `rope_theta` and
@@ -133,11 +133,11 @@ def read_rope(d: dict, source: str = "config.json") -> tuple[float, dict | None]
         out.setdefault("rope_type", "default")
         return out
 
-    params, legacy = d.get("rope_parameters"), d.get("rope_scaling")
+    params, legacy = hf.get("rope_parameters"), hf.get("rope_scaling")
     for key, value in (("rope_parameters", params), ("rope_scaling", legacy)):
         if value is not None and not isinstance(value, dict):
             raise ValueError(f"{source}: {key} = {value!r} must be an object (or null)")
-    outside = d.get("rope_theta", 10000.0)  # transformers' default theta for all three families
+    outside = hf.get("rope_theta", 10000.0)  # transformers' default theta for all three families
     if legacy:
         theta, scaling = legacy.get("rope_theta", outside), settings(legacy)
         if params and (params.get("rope_theta", outside) != theta
@@ -157,7 +157,7 @@ def read_rope(d: dict, source: str = "config.json") -> tuple[float, dict | None]
         return float(theta), None
     required = ("factor",) if kind == "linear" else ("factor", "low_freq_factor", "high_freq_factor")
     if kind == "llama3":  # transformers falls back to max_position_embeddings, so does rlcore
-        scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 2048))
+        scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 2048))
         required += ("original_max_position_embeddings",)
     for key in required:
         if not positive_number(scaling.get(key)):
@@ -186,8 +186,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies `[head_dim/2]` in fp32, with Llama 3 or linear scaling applied."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    head_dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     s = cfg.rope_scaling
     if s is None:
         return inv_freq

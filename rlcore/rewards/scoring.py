@@ -29,6 +29,7 @@ the run starts (`check_reward_funcs`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import difflib
 import importlib
 import inspect
@@ -36,7 +37,6 @@ import numbers
 import os
 import re
 import traceback
-import dataclasses
 from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from pathlib import Path

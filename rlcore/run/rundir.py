@@ -30,8 +30,13 @@ from rlcore import RlcoreWarning
 from rlcore.config.load import RUN_CONFIG_HEADER, dump_config, with_absolute_paths
 from rlcore.config.options import EMBEDDED_MODEL_PATHS, Config, DataArgs
 from rlcore.parallel import collectives, fsdp
-from rlcore.run.checkpoints import (checkpoint_step, kept_checkpoint, latest_checkpoint, load_trainer_state,
-                                    save_checkpoint, save_sharded_checkpoint)
+from rlcore.run.checkpoints import (
+    checkpoint_step,
+    latest_checkpoint,
+    load_trainer_state,
+    save_checkpoint,
+    save_sharded_checkpoint,
+)
 from rlcore.run.state import RunState, has_state
 
 if sys.version_info >= (3, 11):
@@ -74,26 +79,27 @@ class RunDir:
         own older checkpoints: it must hold no checkpoint-* entry and no config.toml that rlcore did
         not write (a run that crashed before its first checkpoint leaves its own). Other files (a
         log, a .gitkeep) stay as they are."""
-        run, existing = self.path, self.path
+        path = existing = self.path
         while not existing.exists():  # the nearest existing ancestor: the run directory is created under it
             existing = existing.parent
         if not existing.is_dir():
-            what = "is a file" if existing == run else f"is inside {existing}, which is a file"
-            raise NotADirectoryError(f"train.output_dir = {run} {what}; choose a directory (it is created)")
+            what = "is a file" if existing == path else f"is inside {existing}, which is a file"
+            raise NotADirectoryError(f"train.output_dir = {path} {what}; choose a directory (it is created)")
         if not os.access(existing, os.W_OK | os.X_OK):
-            raise PermissionError(f"train.output_dir = {run}: {existing} is not writable; choose a directory you "
+            raise PermissionError(f"train.output_dir = {path}: {existing} is not writable; choose a directory you "
                                   f"can write to")
-        if existing != run:
+        if existing != path:
             return
-        if (run / "latest").exists():
-            raise FileExistsError(f"{run} already holds checkpoints; continue it with --resume {run}, "
+        if (path / "latest").exists():
+            raise FileExistsError(f"{path} already holds checkpoints; continue it with --resume {path}, "
                                   "or choose a new train.output_dir (nothing is overwritten)")
-        others = sorted(p.name for p in run.glob("checkpoint-*"))
-        if self.config_toml.is_file() and not self.config_toml.read_text(errors="replace").startswith(RUN_CONFIG_HEADER):
+        others = sorted(p.name for p in path.glob("checkpoint-*"))
+        config = self.config_toml
+        if config.is_file() and not config.read_text(errors="replace").startswith(RUN_CONFIG_HEADER):
             others.append("config.toml")
         if others:
             listed = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
-            raise FileExistsError(f"train.output_dir = {run} already holds files that are not an rlcore run's "
+            raise FileExistsError(f"train.output_dir = {path} already holds files that are not an rlcore run's "
                                   f"({listed}); a run writes config.toml and checkpoint-<step>/ there and deletes its "
                                   f"older checkpoints: choose a new or empty train.output_dir (nothing was written)")
 
@@ -131,34 +137,35 @@ class RunDir:
         loads: it exists, `latest` names a checkpoint, config.toml records the run, and the run
         trained on `world` ranks (a sharded run resumes on any count)."""
         run_dir = cls(path, main)
-        run = run_dir.path
-        if not run.is_dir():
-            raise FileNotFoundError(f"--resume {run}: no such run directory")
-        if not (run / "latest").is_file():
-            raise FileNotFoundError(f"--resume {run}: no checkpoint there (no `latest` file){run_dir.no_latest_hint()}")
+        path = run_dir.path
+        if not path.is_dir():
+            raise FileNotFoundError(f"--resume {path}: no such run directory")
+        if not (path / "latest").is_file():
+            raise FileNotFoundError(f"--resume {path}: no checkpoint there (no `latest` file)"
+                                    f"{run_dir.no_latest_hint()}")
         if not run_dir.config_toml.is_file():  # deleted: train() writes it into every run directory
-            raise FileNotFoundError(f"--resume {run}: the run directory has no config.toml; give the config the run "
-                                    f"was started with: rlcore train CONFIG --resume {run}")
+            raise FileNotFoundError(f"--resume {path}: the run directory has no config.toml; give the config the run "
+                                    f"was started with: rlcore train CONFIG --resume {path}")
         if (ranks := run_dir.recorded_ranks()) is None:
-            raise ValueError(f"--resume {run}: {run_dir.config_toml} does not begin as the config.toml rlcore writes "
+            raise ValueError(f"--resume {path}: {run_dir.config_toml} does not begin as the config.toml rlcore writes "
                              f"({RUN_CONFIG_HEADER.rstrip()!r}, then '# ranks = P'); restore those two lines")
         sharded = run_dir.recorded().get("train", {}).get("fsdp", False)
         if ranks != world and not sharded:
-            raise ValueError(f"--resume {run}: the run was trained on {ranks} rank(s) and this command starts "
-                             f"{world}; resume it on as many: {resume_command(run, ranks)}")
+            raise ValueError(f"--resume {path}: the run was trained on {ranks} rank(s) and this command starts "
+                             f"{world}; resume it on as many: {resume_command(path, ranks)}")
         return run_dir
 
     def no_latest_hint(self) -> str:
         """What a --resume directory without a `latest` file is instead: one of rlcore's checkpoints, a
         run that stopped before its first save, or a transformers Trainer's (TRL's) output."""
-        run = self.path
-        if has_state(run):  # a checkpoint, as the Trainer's resume_from_checkpoint takes
-            return (f"; it is a checkpoint: --resume takes its run directory, --resume {run.parent} (which "
+        path = self.path
+        if has_state(path):  # a checkpoint, as the Trainer's resume_from_checkpoint takes
+            return (f"; it is a checkpoint: --resume takes its run directory, --resume {path.parent} (which "
                     f"continues from the checkpoint its `latest` names)")
-        trainer = sorted((p.parent for p in run.glob("checkpoint-*/trainer_state.json")),
+        trainer = sorted((p.parent for p in path.glob("checkpoint-*/trainer_state.json")),
                          key=lambda p: int(p.name.rpartition("-")[2]) if p.name.rpartition("-")[2].isdigit() else -1)
-        if (run / "trainer_state.json").is_file() or trainer:
-            weights = run if (run / "trainer_state.json").is_file() else trainer[-1]
+        if (path / "trainer_state.json").is_file() or trainer:
+            weights = path if (path / "trainer_state.json").is_file() else trainer[-1]
             return (f"; it is a transformers Trainer's (TRL's) output, and rlcore resumes only the runs it wrote: to "
                     f"start a new run from its weights, --set model.path={weights}")
         if self.config_toml.is_file() and self.config_toml.read_text().startswith(RUN_CONFIG_HEADER):
@@ -208,12 +215,12 @@ class RunDir:
         tokenizer, and with beta the reference model, come from there. Another spelling of the same
         directory is the same model, and so is a new place once the recorded one is gone (moved).
         The embedded model is the one data.seed and data.num_eval built. Other data is a warning."""
-        run, embedded = self.path, cfg.model.path in EMBEDDED_MODEL_PATHS
+        path, embedded = self.path, cfg.model.path in EMBEDDED_MODEL_PATHS
         started = self.recorded_model()
         now = embedded_model_name(cfg.data.seed, cfg.data.num_eval) if embedded else cfg.model.path
         if not embedded and not Path(now).exists():
             needed = "the tokenizer and the reference model are" if cfg.loss.beta else "the tokenizer is"
-            raise FileNotFoundError(f"--resume {run}: the run's model.path {now} is gone (a relative path is taken "
+            raise FileNotFoundError(f"--resume {path}: the run's model.path {now} is gone (a relative path is taken "
                                     f"from the current directory); {needed} read from it: restore it, or give its "
                                     f"new place with --set model.path=...")
         if started is not None and started != now and (
@@ -221,11 +228,11 @@ class RunDir:
                 and not os.path.samefile(started, now)):
             what = ("drop the new data.seed / data.num_eval, which choose the embedded model and its held-out set"
                     if embedded and started.startswith("embedded (") else "drop the new model.path")
-            raise ValueError(f"--resume {run}: model.path = {now}, but the run started from {started} (its "
+            raise ValueError(f"--resume {path}: model.path = {now}, but the run started from {started} (its "
                              f"config.toml); a resumed run keeps its model and tokenizer: {what}, or start a new run "
                              f"from a checkpoint's model/ directory")
         if changes := self.changed_data(cfg.data):
-            warnings.warn(f"--resume {run} with other data: {', '.join(changes)}. The checkpoint's data position "
+            warnings.warn(f"--resume {path} with other data: {', '.join(changes)}. The checkpoint's data position "
                           f"counts rows of the old order, the held-out set is drawn again (it may hold prompts the "
                           f"run trained on), and 'before=' stays the old set's accuracy; drop those --set values to "
                           f"continue the run as it was, or start a new run from a checkpoint's model/ directory",
@@ -273,38 +280,39 @@ class RunDir:
 
     # ---------------------------------------------------------------- checkpoints
 
-    def save(self, run, state: RunState, at: dict) -> None:
-        """Checkpoint `run` (the Run, setup.py) as it is at `state.step`, to continue from `at` (a
-        resume_point: the round's start when its scoring failed). Every rank calls it; rank 0
+    def save(self, run, state: RunState, resume_point: dict) -> None:
+        """Checkpoint `run` (the Run, setup.py) as it is at `state.step`, to continue from
+        `resume_point` (the round's start when its scoring failed). Every rank calls it; rank 0
         writes, and under train.fsdp every rank writes its shards."""
         collectives.check_replicas_agree(run.model, run.world)
-        samplers = collectives.gather_objects(at["sampler"], run.world)
+        samplers = collectives.gather_objects(resume_point["sampler"], run.world)
         train_cfg, loss_cfg = run.cfg.train, run.cfg.loss
         if train_cfg.fsdp:  # the optimizer state is in the shards; the last checkpoint gets the full model too
-            trainer_state = {"optimizer": None, "scheduler": run.sched.state_dict(), **state.state_dict(at, samplers)}
+            trainer_state = {"optimizer": None, "scheduler": run.sched.state_dict(),
+                             **state.state_dict(resume_point, samplers)}
             last = state.step >= run.geometry.max_steps
             with run.generating() if last else contextlib.nullcontext() as full_model:
                 save_sharded_checkpoint(self.path, state.step, run.model, run.opt, trainer_state, run.model_dir,
                                         train_cfg.save_total_limit, self.main, run.world, full_model)
         elif self.main:
             trainer_state = {"optimizer": run.opt.state_dict(), "scheduler": run.sched.state_dict(),
-                             **state.state_dict(at, samplers)}
+                             **state.state_dict(resume_point, samplers)}
             synced = loss_cfg.sync_ref_model and state.step >= loss_cfg.ref_model_sync_steps
             save_checkpoint(self.path, state.step, run.model, run.model_dir, trainer_state,
                             train_cfg.save_total_limit, run.ref if synced else None)
         self.saved_step = state.step
 
     @contextlib.contextmanager
-    def saved_on_failure(self, run, state: RunState, at: dict, errors: tuple[type[BaseException], ...]
+    def saved_on_failure(self, run, state: RunState, resume_point: dict, errors: tuple[type[BaseException], ...]
                          ) -> Iterator[None]:
-        """Checkpoint the run (to continue from `at`) before an error of `errors` leaves the block,
+        """Checkpoint the run (to continue from `resume_point`) before an error of `errors` leaves the block,
         when no checkpoint holds the steps taken since the newest one: a reward function that
         fails loses no training, and `--resume` continues once it is fixed."""
         try:
             yield
         except errors:
             if state.step > self.saved_step:
-                self.save(run, state, at)
+                self.save(run, state, resume_point)
             raise
 
     # ---------------------------------------------------------------- what a run records

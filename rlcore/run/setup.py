@@ -133,22 +133,22 @@ def embedded_model_dir(cfg: Config, rank: int = 0, world: int = 1) -> Path:
     Under torchrun local rank 0 of each machine builds it while the other ranks wait, then they
     find it cached (several machines sharing one cache each build apart and keep the first).
     """
-    d = cfg.data
+    data_cfg = cfg.data
     cache = Path(os.environ.get("RLCORE_CACHE", Path.home() / ".cache" / "rlcore"))
-    if d.task not in EMBEDDED_TASKS:
-        where = cache / cache_dir_name(d.seed, d.num_eval)
+    if data_cfg.task not in EMBEDDED_TASKS:
+        where = cache / cache_dir_name(data_cfg.seed, data_cfg.num_eval)
         raise ValueError(f"the embedded models are built for data.task = {' or '.join(map(repr, EMBEDDED_TASKS))}, "
-                         f"not {d.task!r}; set model.path to a Hugging Face checkpoint directory for other tasks (the "
-                         f"embedded model, once built, is one: --set model.path={where} trains it on a task its "
-                         f"character tokenizer can write)")
-    where = cache / cache_dir_name(d.seed, d.num_eval, d.task)
-    pool = unique_problems(d.task, 10**6, d.seed)[d.num_eval:]  # everything but the eval set
+                         f"not {data_cfg.task!r}; set model.path to a Hugging Face checkpoint directory for other "
+                         f"tasks (the embedded model, once built, is one: --set model.path={where} trains it on a "
+                         f"task its character tokenizer can write)")
+    where = cache / cache_dir_name(data_cfg.seed, data_cfg.num_eval, data_cfg.task)
+    pool = unique_problems(data_cfg.task, 10**6, data_cfg.seed)[data_cfg.num_eval:]  # everything but the eval set
     local = int(os.environ.get("LOCAL_RANK", rank))  # torchrun: the rank on this machine (its cache may be its own)
     if local != 0:
         collectives.barrier(world)
-    elif d.task == "arithmetic" and (why := why_a_model_of_its_own(cache, d.seed, d.num_eval)):
+    elif data_cfg.task == "arithmetic" and (why := why_a_model_of_its_own(cache, data_cfg.seed, data_cfg.num_eval)):
         print(why, flush=True)
-    path = build_embedded_model(where, pool, task=d.task)
+    path = build_embedded_model(where, pool, task=data_cfg.task)
     if local == 0:
         collectives.barrier(world)
     return path
@@ -277,8 +277,8 @@ def load_toolbox(rollout_cfg: RolloutArgs, tok: Tokenizer, model_dir: Path, main
             tok.chat_template = training  # checkpoints still get the model's own (rundir copies its files)
             if main:
                 print(f"{model_dir}'s chat template is not prefix-preserving, so tool results could not be "
-                      f"appended; rendering this run with TRL's training template for it (rlcore/models/chat_templates)",
-                      flush=True)
+                      f"appended; rendering this run with TRL's training template for it "
+                      f"(rlcore/models/chat_templates)", flush=True)
         tool_suffix_ids(tok, [{"role": "tool", "name": "dummy", "content": "dummy"}])  # fails now, not mid-run
     except ValueError as err:
         raise ValueError(f"rollout.tools = {rollout_cfg.tools!r} with {model_dir}'s chat template: {err}") from None
@@ -290,7 +290,8 @@ def setup(cfg: Config, resume: str | os.PathLike | RunDir | None = None) -> Run:
     """Check and load everything a run needs (see the module docstring) for `cfg`, a config that
     load_config checked; `resume` is a run directory to continue from its latest checkpoint."""
     train_cfg, loss_cfg, rollout_cfg = cfg.train, cfg.loss, cfg.rollout  # the train, loss and rollout sections
-    rank, world, device = collectives.init(pick_device(train_cfg.device), cpu_collectives=train_cfg.fsdp_offload)  # (0, 1, device) without torchrun
+    # (0, 1, device) without torchrun
+    rank, world, device = collectives.init(pick_device(train_cfg.device), cpu_collectives=train_cfg.fsdp_offload)
     if device.type == "cpu":
         reuse_freed_memory()
     main = rank == 0  # rank 0 alone prints and writes files
@@ -323,15 +324,16 @@ def setup(cfg: Config, resume: str | os.PathLike | RunDir | None = None) -> Run:
         reward_names.append(toolbox.reward_name)
         reward_weights = reward_weights and [*reward_weights, 1.0]
     if not reward_funcs:
-        raise ValueError(f"loss.reward_funcs = [] and rollout.environment_factory = {rollout_cfg.environment_factory!r} "
-                         f"has no get_reward method: nothing scores the completions; name a reward function in "
-                         f"loss.reward_funcs or give the environment get_reward(self) -> float")
+        raise ValueError(f"loss.reward_funcs = [] and rollout.environment_factory = "
+                         f"{rollout_cfg.environment_factory!r} has no get_reward method: nothing scores the "
+                         f"completions; name a reward function in loss.reward_funcs or give the environment "
+                         f"get_reward(self) -> float")
     checkpoint, saved_state = run_dir.latest() if resume else (None, None)  # read before anything is written
     sharded = checkpoint is not None and (checkpoint / fsdp.SHARDS).is_dir()  # DCP reshards it to any rank count
     if train_cfg.fsdp and world > 1 and checkpoint and not sharded:
-        raise ValueError(f"--resume {run_dir}: {checkpoint} was saved by a replicated run (its optimizer state is whole) "
-                         f"and train.fsdp = true shards this one; resume it with --set train.fsdp=false, then start "
-                         f"sharded runs from a checkpoint's model/ directory")
+        raise ValueError(f"--resume {run_dir}: {checkpoint} was saved by a replicated run (its optimizer state is "
+                         f"whole) and train.fsdp = true shards this one; resume it with --set train.fsdp=false, then "
+                         f"start sharded runs from a checkpoint's model/ directory")
     dtype = resolve_dtype(cfg.model.dtype, model_dir)  # 'auto': the checkpoint's
     if cfg.model.dtype == "auto" and dtype == "bfloat16" and main and not cfg.lora.enabled:
         warn_bf16_weights(cfg, f"model.dtype = 'auto' on {model_dir}, a bfloat16 checkpoint")

@@ -127,7 +127,8 @@ class RunState:
         return cls(sampler=torch.Generator(device=device).manual_seed(cfg.rollout.seed + rank),  # rollout sampling
                    shuffler=torch.Generator(device=device).manual_seed(cfg.train.seed),  # micro-batch order
                    bonus=EntropyBonus(loss_cfg.entropy_coef, loss_cfg.use_adaptive_entropy, loss_cfg.entropy_target,
-                                      loss_cfg.entropy_coef_delta, loss_cfg.entropy_coef_min, loss_cfg.entropy_coef_max),
+                                      loss_cfg.entropy_coef_delta, loss_cfg.entropy_coef_min,
+                                      loss_cfg.entropy_coef_max),
                    scaler=GradScaler(device.type, enabled=cfg.train.fp16))  # fp16's dynamic loss scale
 
     def resume_point(self) -> dict:
@@ -135,11 +136,11 @@ class RunState:
         return {"data_pos": self.data_pos, "sampler": self.sampler.get_state(), "shuffler": self.shuffler.get_state(),
                 "torch": torch.get_rng_state()}
 
-    def state_dict(self, at: dict, samplers: list[torch.Tensor]) -> dict:
-        """The checkpoint's trainer state, to continue from `at` (a resume_point) with every rank's
+    def state_dict(self, resume_point: dict, samplers: list[torch.Tensor]) -> dict:
+        """The checkpoint's trainer state, to continue from `resume_point` with every rank's
         sampler state `samplers`."""
-        return {"sampler_rng": samplers, "shuffler_rng": at["shuffler"], "torch_rng": at["torch"], "step": self.step,
-                "data_pos": at["data_pos"], "nonfinite_total": self.nonfinite_total,
+        return {"sampler_rng": samplers, "shuffler_rng": resume_point["shuffler"], "torch_rng": resume_point["torch"],
+                "step": self.step, "data_pos": resume_point["data_pos"], "nonfinite_total": self.nonfinite_total,
                 "nonfinite_in_row": self.nonfinite_in_row, "before": self.before,
                 "entropy_bonus": self.bonus.state_dict() if self.bonus.adaptive else None,
                 "grad_scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,

@@ -6,7 +6,6 @@ progress line, and how far long work has got (`Progress`). Every rank calls them
 from __future__ import annotations
 
 import contextlib
-import math
 import resource
 import time
 from collections.abc import Iterator
@@ -32,18 +31,19 @@ def reduce_metrics(parts: list[dict], world: int = 1, device: torch.device | Non
     difference). One all-reduce of the sums and one of the extremes, whatever the number of keys.
     """
     keys = list(parts[0])
-    for i, d in enumerate(parts[1:], 1):
-        if set(d) != set(keys):
-            odd = sorted(set(d) ^ set(keys))[0]
+    for i, part in enumerate(parts[1:], 1):
+        if set(part) != set(keys):
+            odd = sorted(set(part) ^ set(keys))[0]
             raise ValueError(f"the metrics of micro-batch {i} {'lack' if odd in keys else 'add'} {odd!r} (micro-batch "
                              f"0 has {sorted(keys)}); a loss must return the same metric keys for every micro-batch")
     maxes = [k for k in keys if k.endswith(("_max", "/max"))]
     mins = [k for k in keys if k.endswith(("_min", "/min"))]
     means = [k for k in keys if k not in ("loss", "tokens", *maxes, *mins)]
-    sums = [sum(d.get("loss", 0.0) for d in parts), sum(d["tokens"] for d in parts)]
-    sums = collectives.sum_over_ranks(sums + [sum(d[k] * d["tokens"] for d in parts) for k in means], world, device)
-    peaks = collectives.max_over_ranks([max(d[k] for d in parts) for k in maxes] +
-                                       [-min(d[k] for d in parts) for k in mins], world, device)  # min = -max(-x)
+    sums = [sum(part.get("loss", 0.0) for part in parts), sum(part["tokens"] for part in parts)]
+    sums = collectives.sum_over_ranks(sums + [sum(part[k] * part["tokens"] for part in parts) for k in means],
+                                      world, device)
+    peaks = collectives.max_over_ranks([max(part[k] for part in parts) for k in maxes] +
+                                       [-min(part[k] for part in parts) for k in mins], world, device)  # min = -max(-x)
     out = {"loss": sums[0] / world} if "loss" in parts[0] else {}
     out["tokens"] = sums[1]
     out.update({k: s / max(sums[1], 1) for k, s in zip(means, sums[2:])})

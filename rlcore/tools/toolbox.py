@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rlcore.rewards.scoring import _call, missing_attribute
-from rlcore.tools.calls import ToolCall, assistant_message, parse_tool_calls, tool_call_format
+from rlcore.tools.calls import ToolCall
 from rlcore.tools.schema import tool_schema
 
 NOT_TOOLS = ("reset", "get_reward")  # environment methods that are never tools (TRL's)
