@@ -218,7 +218,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 @dataclass
 class KVCache:
-    """A static cache: plain preallocated tensors `[L, B, H_kv, S, D]` for keys and values.
+    """A static cache: plain preallocated tensors `[L, B, H_kv, slots, D]` for keys and values.
 
     Rows write at explicit slots, so rows of different lengths share one buffer. The owner
     (the rollout engine) decides slots and masks; the model only reads and writes.
@@ -368,8 +368,8 @@ class Transformer(nn.Module):
         """Final hidden states `[B, T, H]` (after the last norm), no logits.
 
         input_ids `[B, T]`; positions `[B, T]` RoPE positions (default 0..T-1);
-        mask: bool, broadcastable to `[B, 1, T, S]`, True = may attend (default causal over the
-        T tokens; S = T without a cache, S = cache length with one);
+        mask: bool, broadcastable to `[B, 1, T, T_kv]`, True = may attend (default causal over the
+        T tokens; T_kv = T without a cache, the cache's slots with one);
         cache/slots: write keys/values of the T tokens at cache slots `[B, T]` (default =
         positions) and attend over the whole cache, which then requires `mask`.
         prefix: without `prefix_rows`, record every layer's keys/values into it; with
