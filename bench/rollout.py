@@ -41,7 +41,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 from rlcore.models.transformer import ModelConfig, Transformer
 from rlcore.rollout import generate
-from rlcore.train import clock  # wall clock once the GPU's queued work is done
+from rlcore.run.steplog import clock  # wall clock once the GPU's queued work is done
 
 HF_CONFIG = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,

@@ -37,7 +37,7 @@ to compare like with like:
   forward in backward; rlcore's train.gradient_checkpointing defaults to False). --grad-ckpt
   turns it on for both sides;
 - the TRL worker makes the allocator setting rlcore's train() makes for its own process
-  (`rlcore.train.reuse_freed_memory`: glibc keeps freed memory instead of unmapping it, so
+  (`rlcore.run.setup.reuse_freed_memory`: glibc keeps freed memory instead of unmapping it, so
   large tensors do not come back as fresh zero-filled pages). It speeds TRL's update more than
   rlcore's (docs/benchmarks.md). --trl-glibc-malloc runs TRL as it runs out of the box instead.
 --bf16 runs both sides in mixed precision instead: TRL with bf16=True (its default: bf16
@@ -151,7 +151,7 @@ def run_trl(d: Path, steps: int, grad_ckpt: bool, bf16: bool, glibc_malloc: bool
 
     if not glibc_malloc:  # the allocator setting rlcore's train() makes, so both sides get it
         sys.path.insert(0, str(ROOT))
-        from rlcore.train import reuse_freed_memory
+        from rlcore.run.setup import reuse_freed_memory
 
         reuse_freed_memory()
     from datasets import Dataset
