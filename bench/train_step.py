@@ -266,10 +266,13 @@ def run_rlcore(d: Path, steps: int, grad_ckpt: bool, bf16: bool) -> dict:
 
     def watch():  # wall clock at which each step's metrics line lands (train() writes one per step)
         seen = 0
-        while not done.is_set():
+        while True:
+            finished = done.is_set()  # one more look once train() has returned: its last line may be new
             n = len(metrics.read_text().splitlines()) if metrics.exists() else 0
             marks.extend([time.perf_counter()] * (n - seen))
             seen = max(seen, n)
+            if finished:
+                return
             time.sleep(0.02)
 
     watcher = threading.Thread(target=watch, daemon=True)
