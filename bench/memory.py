@@ -85,7 +85,7 @@ def build_checkpoint(path: Path) -> None:
 
 def run_variant(variant: str, model_dir: str, device: str) -> dict:
     """One optimizer step of `variant` in this process; its peak memory above the baseline."""
-    import rlcore.rollout
+    import rlcore.rollout.completions
     from rlcore.config import load_config
     from rlcore.rollout.engine import Rollout
     from rlcore.train import train
@@ -100,7 +100,10 @@ def run_variant(variant: str, model_dir: str, device: str) -> dict:
             with open("/proc/self/clear_refs", "w") as f:  # "5": VmHWM back to the current resident set
                 f.write("5")
 
+    rounds = []
+
     def fixed(model, prompts, num_generations, max_new_tokens, pad_token_id, generator=None, **kwargs):
+        rounds.append(len(prompts))
         reset_peak()  # the round starts: models loaded, the optimizer's moments not yet allocated
         g = torch.Generator().manual_seed(len(prompts))
         ids = torch.randint(3, 20, (len(prompts), max_new_tokens), generator=g)
@@ -108,7 +111,7 @@ def run_variant(variant: str, model_dir: str, device: str) -> dict:
                        lengths=torch.full((len(prompts),), max_new_tokens), truncated=torch.ones(len(prompts), dtype=bool),
                        sampling_logprobs=torch.zeros(ids.shape), full_logprobs=None)
 
-    rlcore.rollout.generate = fixed
+    rlcore.rollout.completions.generate = fixed  # the engine as the loop's sampling calls it
     options = [f"model.path={model_dir}", "data.task=arithmetic", "data.num_eval=0", "data.num_train=64",
                f"rollout.num_generations={G}", f"rollout.max_completion_length={NEW_TOKENS}",
                f"train.per_device_train_batch_size={PROMPTS * G // 4}", "train.gradient_accumulation_steps=4",
@@ -118,6 +121,9 @@ def run_variant(variant: str, model_dir: str, device: str) -> dict:
         options += ["lora.enabled=true", f"lora.r={RANK}", f"lora.alpha={2 * RANK}", "model.dtype=bfloat16",
                     "train.gradient_checkpointing=true"]
     train(load_config(None, options))
+    if rounds != [PROMPTS * G]:  # else the peak would be reset elsewhere, or never, and include sampling
+        raise RuntimeError(f"the fixed rollout stood in for {rounds} rounds of completions, not one of {PROMPTS * G}: "
+                           f"the loop no longer samples through rlcore.rollout.completions.generate")
     peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
     return {"variant": variant, "peak_bytes": peak - baseline}
 
