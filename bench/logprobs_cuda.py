@@ -84,8 +84,7 @@ def bench_chunk_kernels(ext, g: torch.Generator) -> None:
           f"ratio {t_twin / t_kern:.2f}")
 
 
-def main() -> None:
-    global B, T, H, V, CHUNK, REPEATS, WARMUP
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=B, help="sequences")
     parser.add_argument("--tokens", type=int, default=T, help="tokens per sequence")
@@ -94,7 +93,12 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=CHUNK, help="token_logprobs' chunk, and part 1's rows")
     parser.add_argument("--repeats", type=int, default=REPEATS, help="timed runs of each (the median is reported)")
     parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed runs before them")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    global B, T, H, V, CHUNK, REPEATS, WARMUP
+    args = parse_args()
     B, T, H, V, CHUNK = args.batch, args.tokens, args.hidden, args.vocab, args.chunk_size
     REPEATS, WARMUP = args.repeats, args.warmup
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -108,7 +108,7 @@ def rollout_flops(cfg: ModelConfig, prompts: int, G: int, prompt_len: int, new: 
     return prefill + decode + prompts * G * new * vocab
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--G", type=int, default=8)
@@ -120,7 +120,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "bf16-weights"])
     ap.add_argument("--peak-n", type=int, default=2048, help="size n of the n x n x n matmuls timed for the peak")
     ap.add_argument("--copy-gib", type=float, default=1.0, help="GiB copied to measure the memory bandwidth")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 on both sides (PyTorch's default)
 
