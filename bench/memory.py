@@ -84,9 +84,9 @@ def build_checkpoint(path: Path, shape: dict = SHAPE) -> None:
     model = Transformer(ModelConfig.from_hf(shape))
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    with tempfile.TemporaryDirectory() as tokenizer_dir:  # the tokenizer files the embedded arithmetic model has
-        write_char_tokenizer(Path(tokenizer_dir))
-        save_model(model, path, extra_files={n: Path(tokenizer_dir) / n for n in ("tokenizer.json", "tokenizer_config.json")})
+    with tempfile.TemporaryDirectory() as tmp:  # the tokenizer files the embedded arithmetic model has
+        write_char_tokenizer(Path(tmp))
+        save_model(model, path, extra_files={n: Path(tmp) / n for n in ("tokenizer.json", "tokenizer_config.json")})
 
 
 def run_variant(variant: str, model_dir: str, device: str, prompts: int = PROMPTS, G: int = G,
