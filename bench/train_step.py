@@ -62,7 +62,7 @@ The workload's sizes are flags, their defaults the setup above: --shape (bench/r
 tests/test_bench_smoke.py makes, both sides at a tiny size, every line and no figure:
 
     python bench/train_step.py --shape tiny --prompt-len 4 --G 2 --max-new 2 --batch 2 --ga 1 \
-                               --trl-steps 1 --rlcore-steps 1 --peak-n 64
+                               --trl-steps 1 --rlcore-steps 2 --peak-n 64
 """
 
 import argparse
