@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -119,19 +120,23 @@ def run_variant(variant: str, model_dir: str, device: str, prompts: int = PROMPT
                        sampling_logprobs=torch.zeros(ids.shape), full_logprobs=None)
 
     rlcore.rollout.completions.generate = fixed  # the engine as the loop's sampling calls it
+    run_dir = tempfile.mkdtemp()  # removed once the step is measured: the full variant saves a model and AdamW's state
     options = [f"model.path={model_dir}", "data.task=arithmetic", "data.num_eval=0", "data.num_train=64",
                f"rollout.num_generations={G}", f"rollout.max_completion_length={new_tokens}",
                f"train.per_device_train_batch_size={prompts * G // 4}", "train.gradient_accumulation_steps=4",
                "train.max_steps=1", "loss.beta=0.04", "train.bf16=false", f"train.device={device}",
-               "train.learning_rate=1e-6", f"train.output_dir={tempfile.mkdtemp()}"]
+               "train.learning_rate=1e-6", f"train.output_dir={run_dir}"]
     if variant == "lora":
         options += ["lora.enabled=true", f"lora.r={rank}", f"lora.alpha={2 * rank}", "model.dtype=bfloat16",
                     "train.gradient_checkpointing=true"]
-    train(load_config(None, options))
+    try:
+        train(load_config(None, options))
+        peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
     if rounds != [prompts * G]:  # else the peak would be reset elsewhere, or never, and include sampling
         raise RuntimeError(f"the fixed rollout stood in for {rounds} rounds of completions, not one of {prompts * G}: "
                            f"the loop no longer samples through rlcore.rollout.completions.generate")
-    peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
     return {"variant": variant, "peak_bytes": peak - baseline}
 
 
