@@ -15,6 +15,8 @@
 # Each step has a time limit in seconds (GPU_SH_LIMITS="build tests bench rollout gpu_tests"), and
 # none runs past GPU_SH_DEADLINE seconds from the start, so a time-limited GPU session still brings
 # back the logs of what ran.
+# GPU_SH_SMOKE=1 makes it a smoke run (tests/test_bench_smoke.py, on a GPU): the kernels built, the
+# two benchmarks at a tiny size (every line, no figure), the test files collected but not run.
 # Needs torch with CUDA, nvcc, ninja, transformers, pytest, tokenizers, safetensors and jinja2; no
 # install of rlcore (PYTHONPATH) and no network.
 set -u -o pipefail
@@ -26,6 +28,12 @@ SECONDS=0
 limit() { local left=$((deadline - SECONDS)); echo $(( $1 < left ? $1 : (left > 1 ? left : 1) )); }
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 py=${PYTHON:-python3}
+logprobs_smoke="" rollout_smoke="" pytest_smoke=""
+if [ "${GPU_SH_SMOKE:-0}" = 1 ]; then
+    logprobs_smoke="--batch 1 --tokens 32 --hidden 32 --vocab 1024 --chunk-size 16 --repeats 1 --warmup 1"
+    rollout_smoke="--shape tiny --prompts 1 --G 2 --prompt-len 4 --new-tokens 2 --peak-n 64 --copy-gib 0.001"
+    pytest_smoke="--collect-only"
+fi
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     $py -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__)"
@@ -38,20 +46,20 @@ started=$SECONDS
 timeout "$(limit "$t_build")" $py -c "from rlcore import cuda; cuda.build('decode_attention', verbose=True)" >> "$out/build.log" 2>&1
 echo "decode_attention build exit status $? after $((SECONDS - started)) s" | tee -a "$out/build.log"
 
-timeout "$(limit "$t_tests")" $py -m pytest -q -p no:cacheprovider -rs -k "not compile" tests/test_cuda_kernels.py > "$out/test_cuda_kernels.log" 2>&1
+timeout "$(limit "$t_tests")" $py -m pytest -q -p no:cacheprovider -rs -k "not compile" $pytest_smoke tests/test_cuda_kernels.py > "$out/test_cuda_kernels.log" 2>&1
 echo "tests/test_cuda_kernels.py exit status $?" | tee -a "$out/test_cuda_kernels.log"
 tail -3 "$out/test_cuda_kernels.log"
 
-timeout "$(limit "$t_bench")" $py bench/logprobs_cuda.py 2>&1 | tee "$out/logprobs_cuda.log"
+timeout "$(limit "$t_bench")" $py bench/logprobs_cuda.py $logprobs_smoke 2>&1 | tee "$out/logprobs_cuda.log"
 
 qwen="--shape qwen2.5-0.5b --prompts 8 --G 8 --new-tokens 512"
 for run in "1 $qwen --dtype bf16" "1 $qwen" "1 $qwen --dtype bf16-weights" "0 $qwen --dtype bf16" "1 "; do
     read -r graphs args <<< "$run"
     echo "== RLCORE_CUDA_GRAPHS=$graphs bench/rollout.py --device cuda $args" | tee -a "$out/rollout.log"
-    RLCORE_CUDA_GRAPHS=$graphs timeout "$(limit "$t_rollout")" $py bench/rollout.py --device cuda $args 2>&1 \
+    RLCORE_CUDA_GRAPHS=$graphs timeout "$(limit "$t_rollout")" $py bench/rollout.py --device cuda $args $rollout_smoke 2>&1 \
         | grep -v Warning | tee -a "$out/rollout.log"
 done
 
-timeout "$(limit "$t_gpu")" $py -m pytest -q -p no:cacheprovider -rs -s tests/test_gpu.py > "$out/test_gpu.log" 2>&1
+timeout "$(limit "$t_gpu")" $py -m pytest -q -p no:cacheprovider -rs -s $pytest_smoke tests/test_gpu.py > "$out/test_gpu.log" 2>&1
 echo "tests/test_gpu.py exit status $?" | tee -a "$out/test_gpu.log"
 grep -E "max \||shipped GSM8K|passed|failed|error|Error" "$out/test_gpu.log" | tail -30

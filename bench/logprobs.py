@@ -15,6 +15,9 @@ freed [N, V] buffers leave RSS at once and the counter tracks live tensors, not 
 Where clear_refs is not writable the worker falls back to getrusage's ru_maxrss (lifetime peak,
 which here is the same because setup allocates less than the computation).
 Time is the best of `repeats` runs of forward + backward, in seconds (wall clock).
+
+--batch, --tokens, --hidden and --vocab change the shape; tests/test_bench_smoke.py's smoke run,
+every line and no figure: --batch 1 --tokens 64 --hidden 32 --vocab 8192 --chunk-size 16 --repeats 1
 """
 
 import argparse
@@ -62,11 +65,12 @@ def chunked(h, w, targets, chunk_size):
     logp.sum().backward()
 
 
-def worker(method: str, chunk_size: int, repeats: int) -> None:
+def worker(method: str, chunk_size: int, repeats: int, shape: tuple[int, int, int, int]) -> None:
+    b, t, hidden, vocab = shape
     torch.manual_seed(0)
-    h = (torch.randn(B, T, H) * 0.5).requires_grad_()
-    w = (torch.randn(V, H) * 0.05).requires_grad_()
-    targets = torch.randint(V, (B, T))
+    h = (torch.randn(b, t, hidden) * 0.5).requires_grad_()
+    w = (torch.randn(vocab, hidden) * 0.05).requires_grad_()
+    targets = torch.randint(vocab, (b, t))
     run = naive if method == "naive" else lambda *a: chunked(*a, chunk_size)
     before = rss_kib("VmRSS")
     exact = reset_peak_rss()
@@ -80,9 +84,10 @@ def worker(method: str, chunk_size: int, repeats: int) -> None:
     print(json.dumps({"peak_mib": (peak - before) / 1024, "seconds": min(times), "exact": exact}))
 
 
-def measure(method: str, chunk_size: int, repeats: int) -> dict:
+def measure(method: str, chunk_size: int, repeats: int, shape: tuple[int, int, int, int]) -> dict:
     cmd = [sys.executable, __file__, "--worker", method, "--chunk-size", str(chunk_size),
            "--repeats", str(repeats)]
+    cmd += [f"--{flag}={n}" for flag, n in zip(("batch", "tokens", "hidden", "vocab"), shape)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -91,14 +96,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=B, help="sequences")
+    parser.add_argument("--tokens", type=int, default=T, help="completion tokens per sequence")
+    parser.add_argument("--hidden", type=int, default=H, help="hidden size")
+    parser.add_argument("--vocab", type=int, default=V, help="vocabulary size")
     parser.add_argument("--worker", choices=["naive", "chunked"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    shape = (args.batch, args.tokens, args.hidden, args.vocab)
     if args.worker:
-        return worker(args.worker, args.chunk_size, args.repeats)
+        return worker(args.worker, args.chunk_size, args.repeats, shape)
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 CPU, "
-          f"B={B} T={T} H={H} V={V}, forward+backward, best of {args.repeats}")
-    results = {m: measure(m, args.chunk_size, args.repeats) for m in ("naive", "chunked")}
+          f"B={args.batch} T={args.tokens} H={args.hidden} V={args.vocab}, forward+backward, best of {args.repeats}")
+    results = {m: measure(m, args.chunk_size, args.repeats, shape) for m in ("naive", "chunked")}
     for method, r in results.items():
         label = f"chunked (chunk_size={args.chunk_size})" if method == "chunked" else method
         print(f"{label:28s} peak +{r['peak_mib']:8.0f} MiB  {r['seconds']:6.2f} s")

@@ -12,8 +12,14 @@
 Times are medians of 10 runs after 3 warm-ups, CUDA synchronised around each; memory is
 torch.cuda.max_memory_allocated above what the inputs hold. The last line is
 `logprob_kernel_speedup_vs_twin=<ratio>` for part 2.
+
+--batch, --tokens, --hidden, --vocab, --chunk-size, --repeats and --warmup change the sizes;
+tests/test_bench_smoke.py's smoke run (on a GPU), every line and no figure:
+
+    python bench/logprobs_cuda.py --batch 1 --tokens 32 --hidden 32 --vocab 1024 --chunk-size 16 --repeats 1 --warmup 1
 """
 
+import argparse
 import os
 import statistics
 import sys
@@ -29,8 +35,13 @@ from rlcore.losses.logprobs import chunk_grad_, chunk_stats, token_logprobs
 B, T, H, V, CHUNK = 4, 1024, 896, 151936, 256
 
 
-def timed(fn, setup=lambda: None, repeats=10, warmup=3):
-    """Median seconds of fn() (setup() runs untimed before each call)."""
+REPEATS, WARMUP = 10, 3
+
+
+def timed(fn, setup=lambda: None, repeats=None, warmup=None):
+    """Median seconds of fn() (setup() runs untimed before each call); repeats and warmup: the
+    command line's unless given."""
+    repeats, warmup = REPEATS if repeats is None else repeats, WARMUP if warmup is None else warmup
     times = []
     for i in range(warmup + repeats):
         setup()
@@ -73,7 +84,23 @@ def bench_chunk_kernels(ext, g: torch.Generator) -> None:
           f"ratio {t_twin / t_kern:.2f}")
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=B, help="sequences")
+    parser.add_argument("--tokens", type=int, default=T, help="tokens per sequence")
+    parser.add_argument("--hidden", type=int, default=H, help="hidden size")
+    parser.add_argument("--vocab", type=int, default=V, help="vocabulary size")
+    parser.add_argument("--chunk-size", type=int, default=CHUNK, help="token_logprobs' chunk, and part 1's rows")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="timed runs of each (the median is reported)")
+    parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed runs before them")
+    return parser.parse_args(argv)
+
+
 def main() -> None:
+    global B, T, H, V, CHUNK, REPEATS, WARMUP
+    args = parse_args()
+    B, T, H, V, CHUNK = args.batch, args.tokens, args.hidden, args.vocab, args.chunk_size
+    REPEATS, WARMUP = args.repeats, args.warmup
     torch.backends.cuda.matmul.allow_tf32 = False
     ext = cuda.kernels("token_logprobs", torch.device("cuda"))
     assert ext is not None, "the CUDA kernels did not build"
@@ -102,7 +129,7 @@ def main() -> None:
         os.environ["RLCORE_CUDA_KERNELS"] = setting
         results[name] = timed(rlcore_step, clear), peak_mib(rlcore_step)
         clear()
-    results["naive"] = timed(naive_step, clear, repeats=3, warmup=1), peak_mib(naive_step)
+    results["naive"] = timed(naive_step, clear, repeats=min(3, REPEATS), warmup=1), peak_mib(naive_step)
     for name, (secs, mib) in results.items():
         print(f"token_logprobs fwd+bwd, {B}x{T} tokens, H={H}, V={V}, fp32: {name}: {secs * 1e3:.1f} ms, "
               f"peak +{mib:.0f} MiB")

@@ -11,6 +11,9 @@ exactly 128 new tokens each (no EOS), plain sampling at temperature 1.
 2 KV heads, intermediate 4864, vocab 151936, tied), still random. On a GPU both sides run with
 TF32 off, timed with CUDA synchronised before each clock read.
 
+`--shape tiny` (2 layers, hidden 64, vocab 128) with `--prompts 1 --G 2 --prompt-len 4 --new-tokens 2
+--peak-n 64 --copy-gib 0.001` is the smoke run tests/test_bench_smoke.py makes: every line, no figure.
+
 `--dtype` sets both sides' precision: fp32 (default); bf16, bf16 autocast over the fp32 weights
 (what `train.bf16` does: rlcore's `generate(dtype=bfloat16)`, `generate` inside
 `torch.autocast`); bf16-weights, both models cast to bfloat16 (a bf16 checkpoint).
@@ -41,14 +44,17 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 from rlcore.models.transformer import ModelConfig, Transformer
 from rlcore.rollout import generate
-from rlcore.train import clock  # wall clock once the GPU's queued work is done
+from rlcore.run.steplog import clock  # wall clock once the GPU's queued work is done
 
 HF_CONFIG = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
                  tie_word_embeddings=True, use_sliding_window=False)
 SHAPES = {"bench": HF_CONFIG,
           "qwen2.5-0.5b": dict(HF_CONFIG, vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                               num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2)}
+                               num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
+          # a smoke run's (tests/test_bench_smoke.py): every line printed, in seconds on a CPU
+          "tiny": dict(HF_CONFIG, vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2)}
 
 
 def matmul_peak_gflops(device: torch.device, dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
@@ -102,7 +108,7 @@ def rollout_flops(cfg: ModelConfig, prompts: int, G: int, prompt_len: int, new: 
     return prefill + decode + prompts * G * new * vocab
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--G", type=int, default=8)
@@ -112,7 +118,13 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--shape", default="bench", choices=sorted(SHAPES))
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "bf16-weights"])
-    args = ap.parse_args()
+    ap.add_argument("--peak-n", type=int, default=2048, help="size n of the n x n x n matmuls timed for the peak")
+    ap.add_argument("--copy-gib", type=float, default=1.0, help="GiB copied to measure the memory bandwidth")
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 on both sides (PyTorch's default)
 
@@ -142,7 +154,7 @@ def main() -> None:
                                min_new_tokens=max_new, num_return_sequences=args.G,
                                eos_token_id=None, pad_token_id=0)
 
-    peak = matmul_peak_gflops(device, compute)
+    peak = matmul_peak_gflops(device, compute, args.peak_n)
     run_rlcore(4), run_hf(4)  # warm-up: first-call overheads out of the timings
     t0 = clock(device)
     out = run_rlcore(new)
@@ -153,15 +165,15 @@ def main() -> None:
     t_hf = clock(device) - t0
     assert hf_out.shape == (N, args.prompt_len + new)
 
-    peak = max(peak, matmul_peak_gflops(device, compute))  # before and after: the machine may be shared
-    bandwidth = copy_bandwidth(device)
+    peak = max(peak, matmul_peak_gflops(device, compute, args.peak_n))  # before and after: the machine may be shared
+    bandwidth = copy_bandwidth(device, args.copy_gib)
     read = decode_bytes(cfg, N, args.prompt_len, new, compute.itemsize)
     roofline = read / bandwidth  # seconds
     flops = rollout_flops(cfg, args.prompts, args.G, args.prompt_len, new)
     where = (torch.cuda.get_device_name(device) if device.type == "cuda" else
              f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
     print(f"machine: {where}, torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"{args.dtype.split('-')[0]} matmul peak {peak:.0f} GFLOP/s (2048^3 mm)")
+          f"{args.dtype.split('-')[0]} matmul peak {peak:.0f} GFLOP/s ({args.peak_n}^3 mm)")
     print(f"workload: {args.shape} shape, {args.prompts} prompts x G={args.G} = {N} sequences, {args.prompt_len}-token "
           f"prompts, {new} new tokens each, {args.dtype}, temperature 1, model FLOPs {flops / 1e9:.0f} G")
     for name, secs in (("rlcore", t_rl), ("transformers", t_hf)):

@@ -37,7 +37,7 @@ to compare like with like:
   forward in backward; rlcore's train.gradient_checkpointing defaults to False). --grad-ckpt
   turns it on for both sides;
 - the TRL worker makes the allocator setting rlcore's train() makes for its own process
-  (`rlcore.train.reuse_freed_memory`: glibc keeps freed memory instead of unmapping it, so
+  (`rlcore.run.setup.reuse_freed_memory`: glibc keeps freed memory instead of unmapping it, so
   large tensors do not come back as fresh zero-filled pages). It speeds TRL's update more than
   rlcore's (docs/benchmarks.md). --trl-glibc-malloc runs TRL as it runs out of the box instead.
 --bf16 runs both sides in mixed precision instead: TRL with bf16=True (its default: bf16
@@ -56,6 +56,13 @@ count), the seconds they take at this machine's matmul peak (measured here befor
 sides), each side's share of that peak, and the share 3x TRL's speed would need. It shows whether
 3x TRL is within this machine's reach, whatever either side does.
 The last line is `train_step_speedup_vs_trl=<TRL seconds per step / rlcore seconds per step>`.
+
+The workload's sizes are flags, their defaults the setup above: --shape (bench/rollout.py's shapes),
+--prompt-len, --G, --max-new, --batch, --ga, and --peak-n for the matmul peak's size. The smoke run
+tests/test_bench_smoke.py makes, both sides at a tiny size, every line and no figure:
+
+    python bench/train_step.py --shape tiny --prompt-len 4 --G 2 --max-new 2 --batch 2 --ga 1 \
+                               --trl-steps 1 --rlcore-steps 2 --peak-n 64
 """
 
 import argparse
@@ -67,6 +74,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -74,23 +82,47 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPTS, PROMPT_LEN, G, MAX_NEW = 64, 64, 8, 128
-BATCH, GA = 16, 4
-PROMPTS_PER_STEP = BATCH * GA // G  # one round, one optimizer step: 8 prompts
+PROMPTS = 64
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
-VOCAB = 32000
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The sizes of the model and of one step (the defaults: the benchmark's). The driver writes
+    it into the checkpoint dir (workload.json), where each side's worker reads it."""
+    shape: str = "bench"  # bench/rollout.py's SHAPES
+    prompt_len: int = 64
+    G: int = 8
+    max_new: int = 128
+    batch: int = 16  # per_device_train_batch_size
+    ga: int = 4  # gradient_accumulation_steps
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.batch * self.ga // self.G  # one round, one optimizer step (the benchmark: 8 prompts)
+
+    def save(self, d: Path) -> None:
+        (d / "workload.json").write_text(json.dumps(asdict(self)))
+
+    @classmethod
+    def load(cls, d: Path) -> "Workload":
+        return cls(**json.loads((d / "workload.json").read_text()))
 
 
 # ----------------------------------------------------------------------------- setup
 
-def build_checkpoint(d: Path) -> None:
-    """Random Qwen2 checkpoint + WordLevel tokenizer in d, prompts in d/prompts.jsonl."""
+def build_checkpoint(d: Path, w: Workload = Workload()) -> None:
+    """Random Qwen2 checkpoint + WordLevel tokenizer in d, prompts in d/prompts.jsonl, the workload
+    in d/workload.json."""
     import torch
+    from rollout import SHAPES  # bench/rollout.py, beside this script
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+    shape = dict(SHAPES[w.shape], max_position_embeddings=1024)
+    words_n = shape["vocab_size"] - len(SPECIALS)
     vocab = {t: i for i, t in enumerate(SPECIALS)}
-    vocab.update({f"w{i}": len(SPECIALS) + i for i in range(VOCAB - len(SPECIALS))})
+    vocab.update({f"w{i}": len(SPECIALS) + i for i in range(words_n)})
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
@@ -98,18 +130,17 @@ def build_checkpoint(d: Path) -> None:
     pad, eos = tok.pad_token_id, tok.eos_token_id
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-                      intermediate_size=1408, vocab_size=VOCAB, tie_word_embeddings=True,
-                      max_position_embeddings=1024, bos_token_id=None, eos_token_id=eos, pad_token_id=pad)
+    cfg = Qwen2Config(**shape, bos_token_id=None, eos_token_id=eos, pad_token_id=pad)
     Qwen2ForCausalLM(cfg).to(torch.float32).save_pretrained(d)
 
     rnd = random.Random(0)
     with open(d / "prompts.jsonl", "w") as f:
         for _ in range(PROMPTS):
-            words = " ".join(f"w{rnd.randrange(VOCAB - len(SPECIALS))}" for _ in range(PROMPT_LEN))
+            words = " ".join(f"w{rnd.randrange(words_n)}" for _ in range(w.prompt_len))
             f.write(json.dumps({"prompt": words}) + "\n")
     ids = load_tokenizer(d)(words)["input_ids"]
-    assert len(ids) == PROMPT_LEN, f"a {PROMPT_LEN}-word prompt encoded to {len(ids)} tokens"
+    assert len(ids) == w.prompt_len, f"a {w.prompt_len}-word prompt encoded to {len(ids)} tokens"
+    w.save(d)
 
 
 def load_tokenizer(d: Path):
@@ -151,7 +182,7 @@ def run_trl(d: Path, steps: int, grad_ckpt: bool, bf16: bool, glibc_malloc: bool
 
     if not glibc_malloc:  # the allocator setting rlcore's train() makes, so both sides get it
         sys.path.insert(0, str(ROOT))
-        from rlcore.train import reuse_freed_memory
+        from rlcore.run.setup import reuse_freed_memory
 
         reuse_freed_memory()
     from datasets import Dataset
@@ -171,9 +202,9 @@ def run_trl(d: Path, steps: int, grad_ckpt: bool, bf16: bool, glibc_malloc: bool
         def on_log(self, args, state, control, logs=None, **kw):
             self.logs.append(dict(logs or {}))
 
-    out = d / "trl_out"
-    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=BATCH, gradient_accumulation_steps=GA,
-                      num_generations=G, max_completion_length=MAX_NEW, beta=0.0, use_cpu=True, bf16=bf16,
+    out, w = d / "trl_out", Workload.load(d)
+    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=w.batch, gradient_accumulation_steps=w.ga,
+                      num_generations=w.G, max_completion_length=w.max_new, beta=0.0, use_cpu=True, bf16=bf16,
                       report_to="none", logging_steps=1, max_steps=steps, save_strategy="no", use_vllm=False,
                       temperature=1.0, disable_dropout=True, learning_rate=1e-6, seed=0,
                       gradient_checkpointing=grad_ckpt, dataloader_num_workers=0)
@@ -220,12 +251,12 @@ def run_rlcore(d: Path, steps: int, grad_ckpt: bool, bf16: bool) -> dict:
     from rlcore.config import load_config
     from rlcore.train import train
 
-    out = d / "rlcore_out"
+    out, w = d / "rlcore_out", Workload.load(d)
     cfg = load_config(None, [
         f"model.path={d}", "model.dtype=float32", "data.task=jsonl", f"data.path={d / 'prompts.jsonl'}",
         "data.num_eval=0", 'data.answer_column=""', "data.use_chat_template=false",
-        f"rollout.num_generations={G}", f"rollout.max_completion_length={MAX_NEW}", "rollout.temperature=1.0",
-        f"train.per_device_train_batch_size={BATCH}", f"train.gradient_accumulation_steps={GA}",
+        f"rollout.num_generations={w.G}", f"rollout.max_completion_length={w.max_new}", "rollout.temperature=1.0",
+        f"train.per_device_train_batch_size={w.batch}", f"train.gradient_accumulation_steps={w.ga}",
         f"train.max_steps={steps}", f"train.output_dir={out}", "train.learning_rate=1e-6", "train.device=cpu",
         "train.seed=0", "loss.beta=0.0", "loss.reward_funcs=[\"train_step:bench_reward\"]",
         f"train.bf16={str(bf16).lower()}", f"train.gradient_checkpointing={str(grad_ckpt).lower()}",
@@ -235,10 +266,13 @@ def run_rlcore(d: Path, steps: int, grad_ckpt: bool, bf16: bool) -> dict:
 
     def watch():  # wall clock at which each step's metrics line lands (train() writes one per step)
         seen = 0
-        while not done.is_set():
+        while True:
+            finished = done.is_set()  # one more look once train() has returned: its last line may be new
             n = len(metrics.read_text().splitlines()) if metrics.exists() else 0
             marks.extend([time.perf_counter()] * (n - seen))
             seen = max(seen, n)
+            if finished:
+                return
             time.sleep(0.02)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -286,7 +320,7 @@ def steps_text(times: list[float]) -> str:
     return ", ".join(f"{s:.1f}" for s in times)
 
 
-def step_flops(d: Path) -> float:
+def step_flops(d: Path, w: Workload = Workload()) -> float:
     """Model FLOPs of the least work one step needs: one forward to sample the round, then one
     forward and its backward (twice the forward) to train on it. Each forward is bench/rollout.py's
     count (each prompt once; every completion token but the last fed; the vocabulary projection
@@ -295,15 +329,15 @@ def step_flops(d: Path) -> float:
     from rlcore.models.transformer import ModelConfig
 
     cfg = ModelConfig.from_hf(json.loads((d / "config.json").read_text()))
-    return 4 * rollout_flops(cfg, PROMPTS_PER_STEP, G, PROMPT_LEN, MAX_NEW)
+    return 4 * rollout_flops(cfg, w.prompts_per_step, w.G, w.prompt_len, w.max_new)
 
 
-def floor_lines(flops: float, peak: float, res: dict) -> list[str]:
+def floor_lines(flops: float, peak: float, res: dict, peak_n: int = 2048) -> list[str]:
     """How far each side is from the step's FLOP floor at this machine's matmul peak, and what
     3x TRL would need: the evidence for whether that target can be met here."""
     lines = [f"floor: {flops / 1e12:.2f} TFLOP of model FLOPs per step (sample: 1 forward; train: 1 forward "
              f"+ backward; each prompt once) = {flops / peak / 1e9:.1f} s/step at the matmul peak of "
-             f"{peak:.0f} GFLOP/s (2048^3 mm, this process, before and after the sides)"]
+             f"{peak:.0f} GFLOP/s ({peak_n}^3 mm, this process, before and after the sides)"]
     rate = {name: flops / r["sec_per_step"] / 1e9 for name, r in res.items()}
     parts = [f"{name} {rate[name]:.0f} GFLOP/s = {rate[name] / peak:.0%} of peak" for name in res]
     if "trl" in res:
@@ -325,6 +359,13 @@ def main() -> None:
     ap.add_argument("--trl-glibc-malloc", action="store_true",
                     help="TRL with glibc's malloc defaults (by default it gets rlcore's reuse_freed_memory setting)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads per side (0 = torch's default)")
+    ap.add_argument("--shape", default=Workload.shape, help="the model: bench/rollout.py's --shape (bench, tiny, ...)")
+    ap.add_argument("--prompt-len", type=int, default=Workload.prompt_len, help="tokens of every prompt")
+    ap.add_argument("--G", type=int, default=Workload.G, help="completions per prompt")
+    ap.add_argument("--max-new", type=int, default=Workload.max_new, help="most tokens of a completion")
+    ap.add_argument("--batch", type=int, default=Workload.batch, help="per_device_train_batch_size")
+    ap.add_argument("--ga", type=int, default=Workload.ga, help="gradient_accumulation_steps (one rollout a step)")
+    ap.add_argument("--peak-n", type=int, default=2048, help="size n of the n x n x n matmuls timed for the peak")
     ap.add_argument("--worker", choices=("trl", "rlcore"), help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, help=argparse.SUPPRESS)
@@ -341,21 +382,25 @@ def main() -> None:
         return
 
     import torch
+    from rollout import SHAPES, matmul_peak_gflops  # bench/rollout.py, beside this script
+
+    if a.shape not in SHAPES:
+        ap.error(f"--shape {a.shape!r}: one of {', '.join(sorted(SHAPES))}")
+    w = Workload(a.shape, a.prompt_len, a.G, a.max_new, a.batch, a.ga)
     print(f"cpu: {a.threads or torch.get_num_threads()} threads, {os.cpu_count()} cores, torch {torch.__version__}; "
-          f"one step = 8 prompts x G={G}, prompt {PROMPT_LEN} + completion <= {MAX_NEW} tokens, "
-          f"micro-batch {BATCH} x GA {GA}, fp32 model, {'bf16 autocast' if a.bf16 else 'fp32 compute'}; "
-          f"first step of each side dropped", flush=True)
+          f"{w.shape} shape, one step = {w.prompts_per_step} prompts x G={w.G}, prompt {w.prompt_len} + "
+          f"completion <= {w.max_new} tokens, micro-batch {w.batch} x GA {w.ga}, fp32 model, "
+          f"{'bf16 autocast' if a.bf16 else 'fp32 compute'}; first step of each side dropped", flush=True)
     if a.threads:
         torch.set_num_threads(a.threads)  # the peak below on the sides' threads
-    from rollout import matmul_peak_gflops  # bench/rollout.py, beside this script
 
     compute = torch.bfloat16 if a.bf16 else torch.float32
-    peak = matmul_peak_gflops(torch.device("cpu"), compute)
+    peak = matmul_peak_gflops(torch.device("cpu"), compute, a.peak_n)
     res = {}
     with tempfile.TemporaryDirectory(prefix="rlcore-bench-") as tmp:
         d = Path(tmp)
-        build_checkpoint(d)
-        flops = step_flops(d)
+        build_checkpoint(d, w)
+        flops = step_flops(d, w)
         if a.side in ("both", "trl"):
             r = res["trl"] = side("trl", d, a.trl_steps, a.grad_ckpt, a.threads, a.bf16, a.trl_glibc_malloc)
             print(f"trl: {r['sec_per_step']:.2f} s/step (steps: {steps_text(r['per_step'])}), "
@@ -374,8 +419,8 @@ def main() -> None:
             print("rlcore phases (s/step): " + ", ".join(f"{p.split('/')[1]} {v:.2f}"
                   for p, v in r["phases"].items()) + f"; sum {r['phase_sum']:.2f} "
                   f"(steps: {steps_text(r['per_step_phases'])})", flush=True)
-    peak = max(peak, matmul_peak_gflops(torch.device("cpu"), compute))  # the machine may be shared
-    for line in floor_lines(flops, peak, res):
+    peak = max(peak, matmul_peak_gflops(torch.device("cpu"), compute, a.peak_n))  # the machine may be shared
+    for line in floor_lines(flops, peak, res, a.peak_n):
         print(line, flush=True)
     for name, r in res.items():
         print(f"{name}_sec_per_step={r['sec_per_step']:.3f}")
