@@ -7,8 +7,9 @@
                      CUDA graph per batch size; on CPU `PackedDecoder` in packed.py is faster)
     generate         the loop: stretches of CHECK_EVERY steps, each ended by one host sync that
                      stops the loop or compacts the batch
-    continue_turns   multi-turn only: after a step, append ids (tool results, the next assistant
-                     header) to the rows whose turn just ended; the steps feed them as forced tokens
+    continue_turns   multi-turn only (turns.py): after a step, append ids (tool results, the next
+                     assistant header) to the rows whose turn just ended; the steps feed them as
+                     forced tokens
 
 Cache layout: plain tensors `[L, B, H_kv, T + max_new_tokens - 1, D]`. Prompts are left-padded
 to T, so completion token t of every row is fed at the same slot T + t; a row's RoPE positions
@@ -44,6 +45,7 @@ from rlcore.rollout.attention import decode_attention
 from rlcore.rollout.graphs import CapturedStep
 from rlcore.rollout.packed import PackedDecoder
 from rlcore.rollout.sampling import check_sampling_args, reports_full_logprobs, sample, sampling_key, uniforms
+from rlcore.rollout.turns import EndOfTurn, continue_turns
 
 CHECK_EVERY = 8         # steps between "are all rows done?" checks (each one is a host sync)
 COMPACT_FRACTION = 8    # compact when at least 1/COMPACT_FRACTION of the batch has finished
@@ -64,12 +66,6 @@ class Rollout:
     sampling_logprobs: torch.Tensor   # [N, T] fp32, log-prob under the distribution sampled from
     full_logprobs: torch.Tensor | None  # [N, T] fp32, under the full distribution; only with a filter
     tool_mask: torch.Tensor | None = None  # [N, T] long, 0 on ids appended after a turn; only with end_of_turn
-
-
-EndOfTurn = Callable[[int, list[int]], list[int] | None]
-"""`end_of_turn(row, completion_ids)`: called on the host for global row `row` whose turn just
-ended (EOS or a stop sequence, the last of `completion_ids`, its completion so far); returns the
-ids to append (the tool results and the next assistant header), or None to let the row stop."""
 
 
 def use_packed_decoder(device: torch.device) -> bool:
@@ -289,34 +285,6 @@ def compact(batch: Batch, size: int, filled: int, model: Transformer, scratch_ro
                  None if batch.seen is None else take(batch.seen, False))
 
 
-def continue_turns(batch: Batch, run: Decoding, step: int, was_done: torch.Tensor, end_of_turn: EndOfTurn,
-                   turns: list[int], max_turns: int | None, room: list[int]) -> None:
-    """After token `step` of every row is sampled: each row it stopped (done now, not in `was_done`)
-    whose appends so far (`turns[row]`) are fewer than `max_turns` (None: no limit) gets
-    `end_of_turn`'s ids queued as its next tokens and decodes on; `turns[row]` counts them. Ids that
-    do not fit in max_new_tokens, or that would take the row to the `room[row]` positions its prompt
-    leaves in the model's max_position_embeddings, are dropped and the row stops, as TRL drops such
-    tool results (after running the calls). One host sync per step, to find the rows, and one per
-    row whose turn ended."""
-    ended = (batch.done & ~was_done).nonzero()[:, 0]
-    if len(ended) == 0:
-        return
-    max_new_tokens = run.completion.shape[1]
-    for i, row in zip(ended.tolist(), batch.rows[ended].tolist()):
-        if max_turns is not None and turns[row] >= max_turns:
-            continue
-        ids = end_of_turn(row, run.completion[row, :step + 1].tolist())
-        if not ids or step + 1 + len(ids) > max_new_tokens or step + 1 + len(ids) >= room[row]:
-            continue
-        if min(ids) < 0:
-            raise ValueError(f"end_of_turn returned a negative token id for row {row} ({min(ids)}); return the ids of "
-                             f"the text to append, as the tokenizer encodes it")
-        run.forced[row, step + 1:step + 1 + len(ids)] = torch.tensor(ids, device=run.forced.device)
-        batch.done[i] = False
-        run.stopped[row] = False
-        turns[row] += 1
-
-
 def bucket(rows: int) -> int:
     """The batch size a static step runs `rows` rows at: the next power of two, so a rollout
     captures at most log2(N) + 1 graphs."""
@@ -430,11 +398,11 @@ def generate(
             full_logprobs=torch.zeros_like(outputs, dtype=torch.float32) if full else None,
             stopped=torch.zeros(N + 1, dtype=torch.bool, device=device),
             forced=torch.full_like(outputs, -1) if end_of_turn is not None else None)
-        turns = [0] * N  # the times ids were appended to each row, for max_turns
+        turn_counts = [0] * N  # the times ids were appended to each row, for max_turns
         room = [model.config.max_position_embeddings - len(prompts[row // G]) for row in range(N)]
         sample_and_record(first_logits[which], batch, run)
         if end_of_turn is not None:
-            continue_turns(batch, run, 0, torch.zeros_like(batch.done), end_of_turn, turns, max_turns, room)
+            continue_turns(batch, run, 0, torch.zeros_like(batch.done), end_of_turn, turn_counts, max_turns, room)
 
         packed = PackedDecoder(model, N, dtype) if use_packed else None
         padding = use_packed and bool((batch.start > 0).any())  # else a packed step needs no mask at all
@@ -475,7 +443,7 @@ def generate(
             else:
                 was_done = batch.done.clone()
                 step(t)
-                continue_turns(batch, run, t, was_done, end_of_turn, turns, max_turns, room)
+                continue_turns(batch, run, t, was_done, end_of_turn, turn_counts, max_turns, room)
 
     lengths = run.written[:N].sum(1)
     width = int(lengths.max())
