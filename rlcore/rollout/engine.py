@@ -189,32 +189,33 @@ class Decoding:
     forced: torch.Tensor | None = None  # [N + 1, max_new_tokens] long: an id appended after a turn, else -1
 
 
-def sample_and_record(logits: torch.Tensor, batch: Batch, run: Decoding) -> None:
+def sample_and_record(logits: torch.Tensor, batch: Batch, decoding: Decoding) -> None:
     """Sample token `batch.step` of every row from fp32 logits `[B, V]`, write it to the outputs
     and update the batch: tokens, done, recent, seen. Finished rows get pad, written as not real."""
-    tok, lp, flp = sample(logits, run.temperature, run.top_k, run.top_p, run.min_p,
-                          uniforms(run.key, batch.rows, batch.step), run.repetition_penalty, batch.seen)
-    tok = tok.masked_fill(batch.done, run.pad)
-    at = (batch.rows, batch.step.expand_as(batch.rows))
-    if run.forced is not None:  # an appended id replaces the sample: the model did not choose it
-        forced = run.forced[at]
+    draws = uniforms(decoding.key, batch.rows, batch.step)  # one per row, a function of (key, row, step)
+    token, logprob, full_logprob = sample(logits, decoding.temperature, decoding.top_k, decoding.top_p,
+                                          decoding.min_p, draws, decoding.repetition_penalty, batch.seen)
+    token = token.masked_fill(batch.done, decoding.pad)
+    where = (batch.rows, batch.step.expand_as(batch.rows))  # each row's cell of the outputs
+    if decoding.forced is not None:  # an appended id replaces the sample: the model did not choose it
+        forced = decoding.forced[where]
         appended = forced >= 0
-        tok = torch.where(appended, forced, tok)
-        lp = lp.masked_fill(appended, 0.0)
-        flp = None if flp is None else flp.masked_fill(appended, 0.0)
-    run.completion.index_put_(at, tok)
-    run.written.index_put_(at, ~batch.done)
-    run.sampling_logprobs.index_put_(at, lp.masked_fill(batch.done, 0.0))
-    if run.full_logprobs is not None:
-        run.full_logprobs.index_put_(at, flp.masked_fill(batch.done, 0.0))
+        token = torch.where(appended, forced, token)
+        logprob = logprob.masked_fill(appended, 0.0)
+        full_logprob = None if full_logprob is None else full_logprob.masked_fill(appended, 0.0)
+    decoding.completion.index_put_(where, token)
+    decoding.written.index_put_(where, ~batch.done)
+    decoding.sampling_logprobs.index_put_(where, logprob.masked_fill(batch.done, 0.0))
+    if decoding.full_logprobs is not None:
+        decoding.full_logprobs.index_put_(where, full_logprob.masked_fill(batch.done, 0.0))
     if batch.seen is not None:
-        batch.seen.scatter_(1, tok[:, None], True)
-    batch.recent.copy_(torch.cat((batch.recent[:, 1:], tok[:, None]), 1))
-    if run.forced is not None:  # appended ids never stop a row, nor start a stop sequence of the next turn
+        batch.seen.scatter_(1, token[:, None], True)
+    batch.recent.copy_(torch.cat((batch.recent[:, 1:], token[:, None]), 1))
+    if decoding.forced is not None:  # appended ids never stop a row, nor start a stop sequence of the next turn
         batch.recent.masked_fill_(appended[:, None], -1)
-    batch.done |= stop_hits(batch.recent, run.eos, run.stops)
-    run.stopped.index_put_((batch.rows,), batch.done)
-    batch.tokens.copy_(tok)
+    batch.done |= stop_hits(batch.recent, decoding.eos, decoding.stops)
+    decoding.stopped.index_put_((batch.rows,), batch.done)
+    batch.tokens.copy_(token)
 
 
 def forward_one_token(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
@@ -242,20 +243,20 @@ def forward_one_token(model: Transformer, tokens: torch.Tensor, positions: torch
     return model.model.norm(x)
 
 
-def decode_one_token(model: Transformer, batch: Batch, run: Decoding) -> None:
+def decode_one_token(model: Transformer, batch: Batch, decoding: Decoding) -> None:
     """The static decoding step: feed every row's last token at slot T + step, sample the next.
 
     Shapes depend on the batch alone, all state is in device tensors updated in place, nothing
     waits on the device: a CUDA graph captures it, and torch.compile(fullgraph=True) traces it."""
-    h = forward_one_token(model, batch.tokens, batch.positions, batch.cache, run.prompt_width + batch.step,
+    h = forward_one_token(model, batch.tokens, batch.positions, batch.cache, decoding.prompt_width + batch.step,
                           batch.start)
-    logits = (h @ run.head.T).float()
+    logits = (h @ decoding.head.T).float()
     batch.positions.add_(1)
     batch.step.add_(1)
-    sample_and_record(logits, batch, run)
+    sample_and_record(logits, batch, decoding)
 
 
-def packed_one_token(packed: PackedDecoder, batch: Batch, run: Decoding, slot: int,
+def packed_one_token(packed: PackedDecoder, batch: Batch, decoding: Decoding, slot: int,
                      mask: torch.Tensor | None) -> None:
     """`decode_one_token` with PackedDecoder's forward pass (the CPU path): the batch's tokens are
     fed at `slot` (= T + batch.step, from the host) and attend over the filled slots only
@@ -264,7 +265,7 @@ def packed_one_token(packed: PackedDecoder, batch: Batch, run: Decoding, slot: i
     logits = packed(batch.tokens, batch.positions, view, None if mask is None else mask[..., :slot + 1], slot)
     batch.positions.add_(1)
     batch.step.add_(1)
-    sample_and_record(logits, batch, run)
+    sample_and_record(logits, batch, decoding)
 
 
 def compact(batch: Batch, size: int, filled: int, model: Transformer, scratch_row: int) -> Batch:
@@ -387,7 +388,7 @@ def generate(
                       recent=torch.full((N, longest_stop), -1, **long), seen=seen)
         outputs = torch.full((N + 1, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
         full = reports_full_logprobs(temperature, top_k, top_p, min_p, repetition_penalty)
-        run = Decoding(
+        decoding = Decoding(
             prompt_width=T, head=model.lm_head_weight.to(dtype),
             key=sampling_key(generator, device) if temperature > 0 else torch.zeros(2, **long),  # greedy draws nothing
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
@@ -400,9 +401,9 @@ def generate(
             forced=torch.full_like(outputs, -1) if end_of_turn is not None else None)
         turn_counts = [0] * N  # the times ids were appended to each row, for max_turns
         room = [model.config.max_position_embeddings - len(prompts[row // G]) for row in range(N)]
-        sample_and_record(first_logits[which], batch, run)
+        sample_and_record(first_logits[which], batch, decoding)
         if end_of_turn is not None:
-            continue_turns(batch, run, 0, torch.zeros_like(batch.done), end_of_turn, turn_counts, max_turns, room)
+            continue_turns(batch, decoding, 0, torch.zeros_like(batch.done), end_of_turn, turn_counts, max_turns, room)
 
         packed = PackedDecoder(model, N, dtype) if use_packed else None
         padding = use_packed and bool((batch.start > 0).any())  # else a packed step needs no mask at all
@@ -413,11 +414,11 @@ def generate(
             if packed is not None:
                 slots = torch.arange(batch.cache.k.shape[3], device=device)
                 mask = (slots >= batch.start[:, None])[:, None, None] if padding else None
-                return lambda t: packed_one_token(packed, batch, run, T + t - 1, mask)
+                return lambda t: packed_one_token(packed, batch, decoding, T + t - 1, mask)
 
             def step() -> None:
                 with autocast, decoding_attention(device):
-                    decode_one_token(model, batch, run)
+                    decode_one_token(model, batch, decoding)
 
             captured = CapturedStep(step) if device.type == "cuda" and cuda_graphs_enabled() else step
             return lambda t: captured()
@@ -443,17 +444,17 @@ def generate(
             else:
                 was_done = batch.done.clone()
                 step(t)
-                continue_turns(batch, run, t, was_done, end_of_turn, turn_counts, max_turns, room)
+                continue_turns(batch, decoding, t, was_done, end_of_turn, turn_counts, max_turns, room)
 
-    lengths = run.written[:N].sum(1)
+    lengths = decoding.written[:N].sum(1)
     width = int(lengths.max())
     return Rollout(
         prompt_ids=[list(p) for p in prompts for _ in range(G)],
-        completion_ids=run.completion[:N, :width].contiguous(),
-        completion_mask=run.written[:N, :width].long(),
+        completion_ids=decoding.completion[:N, :width].contiguous(),
+        completion_mask=decoding.written[:N, :width].long(),
         lengths=lengths,
-        truncated=~run.stopped[:N],
-        sampling_logprobs=run.sampling_logprobs[:N, :width].contiguous(),
-        full_logprobs=run.full_logprobs[:N, :width].contiguous() if full else None,
-        tool_mask=(run.forced[:N, :width] < 0).long() if end_of_turn is not None else None,
+        truncated=~decoding.stopped[:N],
+        sampling_logprobs=decoding.sampling_logprobs[:N, :width].contiguous(),
+        full_logprobs=decoding.full_logprobs[:N, :width].contiguous() if full else None,
+        tool_mask=(decoding.forced[:N, :width] < 0).long() if end_of_turn is not None else None,
     )
