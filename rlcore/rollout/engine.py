@@ -1,15 +1,22 @@
 """The rollout engine: G sampled completions per prompt in one batched, cached decoding run.
 
-    prefill          each distinct prompt once, left-padded so every prompt ends at slot T-1
-    (expand)         copy each prompt's keys/values to its G rows of the static cache (in generate)
-    decode_one_token the static step: one token for every row of the batch, fixed shapes, state
-                     in device tensors updated in place, no host sync (graphs.py captures it in a
-                     CUDA graph per batch size; on CPU `PackedDecoder` in packed.py is faster)
-    generate         the loop: stretches of CHECK_EVERY steps, each ended by one host sync that
-                     stops the loop or compacts the batch
-    continue_turns   multi-turn only (turns.py): after a step, append ids (tool results, the next
-                     assistant header) to the rows whose turn just ended; the steps feed them as
-                     forced tokens
+`generate` is the driver; the stages it calls, in order:
+
+    prefill_rows       `prefill` each distinct prompt once, left-padded so every prompt ends at
+                       slot T-1, then copy its keys/values to its G rows of the static cache
+    start_decoding     the `Batch` of all N rows and the rollout's `Decoding`
+    sample_and_record  token 0 from the prefill's logits (and every later token: sample it,
+                       write it to the outputs, mark the rows it stops)
+    step_function      the step for a batch: `packed_step` (PackedDecoder, packed.py) on CPU;
+                       elsewhere `static_step`, `decode_one_token` with fixed shapes, its state in
+                       device tensors updated in place and no host sync, which graphs.py captures
+                       in a CUDA graph per batch size
+    (the loop)         stretches of CHECK_EVERY steps, each ended by one host sync that stops the
+                       loop or `compact`s the batch to `compacted_size`, with a new step for it
+    continue_turns     multi-turn only (turns.py): after a step, append ids (tool results, the next
+                       assistant header) to the rows whose turn just ended; the steps feed them as
+                       forced tokens
+    collect_rollout    the outputs as a `Rollout`
 
 Cache layout: plain tensors `[L, B, H_kv, T + max_new_tokens - 1, D]`. Prompts are left-padded
 to T, so completion token t of every row is fed at the same slot T + t; a row's RoPE positions
@@ -297,6 +304,175 @@ def cuda_graphs_enabled() -> bool:
     return os.environ.get("RLCORE_CUDA_GRAPHS", "1") != "0"
 
 
+def check_generate_args(prompts: list[list[int]], num_generations: int, max_new_tokens: int,
+                        stop_sequences: list[list[int]], end_of_turn: EndOfTurn | None,
+                        max_turns: int | None) -> None:
+    """`generate`'s checks beyond the sampling options' (sampling.check_sampling_args), before any work."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token (got an empty prompt list or prompt)")
+    if num_generations < 1 or max_new_tokens < 1:
+        raise ValueError(f"num_generations and max_new_tokens must be >= 1, got "
+                         f"{num_generations} and {max_new_tokens}")
+    if any(len(s) == 0 for s in stop_sequences):
+        raise ValueError("stop_sequences must not contain an empty sequence")
+    if max_turns is not None and (end_of_turn is None or max_turns < 0):
+        raise ValueError(f"max_turns={max_turns} needs end_of_turn (the ids to append after a turn) and must be >= 0")
+
+
+def compute_dtype(model: Transformer, dtype: torch.dtype | None) -> torch.dtype:
+    """The rollout's compute dtype: `dtype`, or the model's when None. Autocast only narrows, so a
+    wider one is an error."""
+    dtype = dtype or model.lm_head_weight.dtype
+    if dtype.itemsize > model.lm_head_weight.dtype.itemsize:
+        raise ValueError(f"dtype {dtype} is wider than the model's {model.lm_head_weight.dtype}: autocast only "
+                         f"narrows; load the model in {dtype} instead")
+    return dtype
+
+
+def static_step_weights(model: Transformer, dtype: torch.dtype,
+                        packed: bool) -> contextlib.AbstractContextManager:
+    """`matmul_weights_in(model, dtype)` where it changes what the static step multiplies (`dtype`
+    narrower than the model's, or LoRA layers to merge); a no-op context otherwise, and for the
+    packed step, which keeps its own `dtype` copies of the weights."""
+    merge = dtype != model.lm_head_weight.dtype or any(isinstance(m, LoraLinear) for m in model.modules())
+    return matmul_weights_in(model, dtype) if merge and not packed else contextlib.nullcontext()
+
+
+def distinct_prompts(prompts: list[list[int]], G: int,
+                     device: torch.device) -> tuple[list[list[int]], torch.Tensor]:
+    """The prompts without repeats (in order of first appearance), and `which` `[N]` long: for each
+    of the N = len(prompts) * G rows, prompt-major, the index of its prompt among them."""
+    index: dict[tuple[int, ...], int] = {}  # prompt -> its row in the prefill batch
+    for p in prompts:
+        index.setdefault(tuple(p), len(index))
+    which = torch.tensor([index[tuple(p)] for p in prompts for _ in range(G)], device=device)
+    return [list(p) for p in index], which
+
+
+def prefill_rows(model: Transformer, distinct: list[list[int]], which: torch.Tensor, max_new_tokens: int,
+                 dtype: torch.dtype) -> tuple[KVCache, torch.Tensor]:
+    """Prefill each distinct prompt once, then copy its keys/values to its rows (`which` `[N]`) of a
+    static cache with room for the completions.
+
+    Returns that cache `[L, N, H_kv, T + max_new_tokens - 1, D]` (T = the longest prompt) and the
+    prefill's fp32 logits `[P, V]`, one row per distinct prompt (`logits[which]` is row order)."""
+    prompt_cache, first_logits = prefill(model, distinct, dtype)
+    if not bool(torch.isfinite(first_logits).all()):  # one sync per rollout; NaN logits would sample id V
+        raise FloatingPointError("the model's logits are not finite (NaN or inf) after the prompts: its weights or "
+                                 "activations overflowed; if training diverged, lower train.learning_rate and "
+                                 "start again from the model or an earlier checkpoint")
+    T = prompt_cache.k.shape[3]
+    cache = KVCache.empty(model.config, len(which), T + max_new_tokens - 1, prompt_cache.k.dtype,
+                          model.inv_freq.device)
+    cache.k[:, :, :, :T] = prompt_cache.k[:, which]
+    cache.v[:, :, :, :T] = prompt_cache.v[:, which]
+    return cache, first_logits
+
+
+def prompt_tokens_seen(distinct: list[list[int]], which: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """`[N, V]` bool: the tokens of each row's prompt, where the repetition penalty starts from."""
+    seen = torch.zeros(len(distinct), vocab_size, dtype=torch.bool, device=which.device)
+    for i, p in enumerate(distinct):
+        seen[i, torch.tensor(p, device=which.device)] = True
+    return seen[which]
+
+
+def start_decoding(model: Transformer, cache: KVCache, distinct: list[list[int]], which: torch.Tensor,
+                   max_new_tokens: int, dtype: torch.dtype, *, temperature: float, top_k: int, top_p: float,
+                   min_p: float, repetition_penalty: float, eos_token_ids: list[int], stop_sequences: list[list[int]],
+                   pad_token_id: int, generator: torch.Generator | None, multi_turn: bool) -> tuple[Batch, Decoding]:
+    """The state before token 0: a `Batch` of all N rows (`cache` from `prefill_rows`, every row at
+    its prompt's end, none done) and the rollout's `Decoding`, its outputs `[N + 1, max_new_tokens]`
+    empty. A sampled rollout draws its sampling key from `generator` here."""
+    device, N = cache.k.device, len(which)
+    long = dict(dtype=torch.long, device=device)
+    T = max(len(p) for p in distinct)  # the prefill's width: prompts are left-padded to it
+    prompt_len = torch.tensor([len(p) for p in distinct], device=device)[which]
+    seen = prompt_tokens_seen(distinct, which, model.lm_head_weight.shape[0]) if repetition_penalty != 1.0 else None
+    longest_stop = max([1] + [len(s) for s in stop_sequences])
+    batch = Batch(cache, rows=torch.arange(N, **long), tokens=torch.zeros(N, **long), positions=prompt_len.clone(),
+                  start=T - prompt_len, step=torch.zeros((), **long),
+                  done=torch.zeros(N, dtype=torch.bool, device=device),
+                  recent=torch.full((N, longest_stop), -1, **long), seen=seen)
+    outputs = torch.full((N + 1, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    full = reports_full_logprobs(temperature, top_k, top_p, min_p, repetition_penalty)
+    decoding = Decoding(
+        prompt_width=T, head=model.lm_head_weight.to(dtype),
+        key=sampling_key(generator, device) if temperature > 0 else torch.zeros(2, **long),  # greedy draws nothing
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+        eos=torch.tensor(list(eos_token_ids), **long), stops=[torch.tensor(s, **long) for s in stop_sequences],
+        pad=pad_token_id,
+        completion=outputs, written=torch.zeros_like(outputs, dtype=torch.bool),
+        sampling_logprobs=torch.zeros_like(outputs, dtype=torch.float32),
+        full_logprobs=torch.zeros_like(outputs, dtype=torch.float32) if full else None,
+        stopped=torch.zeros(N + 1, dtype=torch.bool, device=device),
+        forced=torch.full_like(outputs, -1) if multi_turn else None)
+    return batch, decoding
+
+
+def packed_step(packed: PackedDecoder, batch: Batch, decoding: Decoding, padded: bool) -> Callable[[int], None]:
+    """The CPU step on `batch`: `step(t)` feeds token t - 1 of every row at slot T + t - 1 and samples
+    token t. With `padded` (some prompt is shorter than T), a mask `[B, 1, 1, slots]` keeps each
+    row's left padding out, built once per batch; without, the step needs none."""
+    mask = None
+    if padded:
+        slots = torch.arange(batch.cache.k.shape[3], device=batch.cache.k.device)
+        mask = (slots >= batch.start[:, None])[:, None, None]
+    return lambda t: packed_one_token(packed, batch, decoding, decoding.prompt_width + t - 1, mask)
+
+
+def static_step(model: Transformer, batch: Batch, decoding: Decoding, dtype: torch.dtype) -> Callable[[int], None]:
+    """The static step on `batch`: `decode_one_token` under autocast to `dtype`, on CUDA captured in
+    a CUDA graph (graphs.CapturedStep) unless RLCORE_CUDA_GRAPHS=0. `step(t)` does not read t: the
+    step counter is a device tensor, which a graph replay can advance."""
+    device = batch.cache.k.device
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != model.lm_head_weight.dtype,
+                              cache_enabled=False)
+
+    def step() -> None:
+        with autocast, decoding_attention(device):
+            decode_one_token(model, batch, decoding)
+
+    captured = CapturedStep(step) if device.type == "cuda" and cuda_graphs_enabled() else step
+    return lambda t: captured()
+
+
+def step_function(model: Transformer, batch: Batch, decoding: Decoding, dtype: torch.dtype,
+                  packed: PackedDecoder | None, padded: bool) -> Callable[[int], None]:
+    """`step(t)`: feed token t - 1 of every row of `batch`, sample and record token t. The packed
+    step when there is a `packed` decoder (CPU), the static step otherwise. One per batch: a
+    compaction makes a new batch, which needs a new step (and on CUDA, a new graph)."""
+    if packed is not None:
+        return packed_step(packed, batch, decoding, padded)
+    return static_step(model, batch, decoding, dtype)
+
+
+def compacted_size(rows: int, live: int, packed: bool) -> int | None:
+    """The size to compact a batch of `rows` rows, `live` of them unfinished, to; None to keep it.
+    Compact once 1/COMPACT_FRACTION of the batch has finished: to `live` rows for the packed step,
+    to the next power of two for the static one (a CUDA graph is captured per size)."""
+    size = live if packed else bucket(live)
+    return size if (rows - live) * COMPACT_FRACTION >= rows and size < rows else None
+
+
+def collect_rollout(decoding: Decoding, prompts: list[list[int]], G: int) -> Rollout:
+    """The outputs as a `Rollout`: the N = len(prompts) * G real rows (not the scratch row N), cut to
+    the longest completion."""
+    N = len(prompts) * G
+    lengths = decoding.written[:N].sum(1)
+    width = int(lengths.max())
+    return Rollout(
+        prompt_ids=[list(p) for p in prompts for _ in range(G)],
+        completion_ids=decoding.completion[:N, :width].contiguous(),
+        completion_mask=decoding.written[:N, :width].long(),
+        lengths=lengths,
+        truncated=~decoding.stopped[:N],
+        sampling_logprobs=decoding.sampling_logprobs[:N, :width].contiguous(),
+        full_logprobs=None if decoding.full_logprobs is None else decoding.full_logprobs[:N, :width].contiguous(),
+        tool_mask=None if decoding.forced is None else (decoding.forced[:N, :width] < 0).long(),
+    )
+
+
 @torch.no_grad()
 def generate(
     model: Transformer,
@@ -337,93 +513,27 @@ def generate(
     host sync per step (on a GPU the host no longer runs ahead of the device).
     """
     check_sampling_args(temperature, top_k, top_p, min_p, repetition_penalty)
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token (got an empty prompt list or prompt)")
-    if num_generations < 1 or max_new_tokens < 1:
-        raise ValueError(f"num_generations and max_new_tokens must be >= 1, got "
-                         f"{num_generations} and {max_new_tokens}")
-    if any(len(s) == 0 for s in stop_sequences):
-        raise ValueError("stop_sequences must not contain an empty sequence")
-    if max_turns is not None and (end_of_turn is None or max_turns < 0):
-        raise ValueError(f"max_turns={max_turns} needs end_of_turn (the ids to append after a turn) and must be >= 0")
-    device = model.inv_freq.device
-    G, N = num_generations, len(prompts) * num_generations
-
-    # Prefill each distinct prompt once, then copy its keys/values to its G rows.
-    distinct: dict[tuple[int, ...], int] = {}  # prompt -> its row in the prefill batch
-    for p in prompts:
-        distinct.setdefault(tuple(p), len(distinct))
-    which = torch.tensor([distinct[tuple(p)] for p in prompts for _ in range(G)], device=device)
-    dtype = dtype or model.lm_head_weight.dtype
-    if dtype.itemsize > model.lm_head_weight.dtype.itemsize:
-        raise ValueError(f"dtype {dtype} is wider than the model's {model.lm_head_weight.dtype}: autocast only "
-                         f"narrows; load the model in {dtype} instead")
-    narrowing = dtype != model.lm_head_weight.dtype
-    use_packed = use_packed_decoder(device)  # on CPU: it keeps `dtype` copies of the weights itself
-    merge = narrowing or any(isinstance(m, LoraLinear) for m in model.modules())
-    weights = matmul_weights_in(model, dtype) if merge and not use_packed else contextlib.nullcontext()
-    with weights:
-        prompt_cache, first_logits = prefill(model, [list(p) for p in distinct], dtype)
-        if not bool(torch.isfinite(first_logits).all()):  # one sync per rollout; NaN logits would sample id V
-            raise FloatingPointError("the model's logits are not finite (NaN or inf) after the prompts: its weights or "
-                                     "activations overflowed; if training diverged, lower train.learning_rate and "
-                                     "start again from the model or an earlier checkpoint")
-        T = prompt_cache.k.shape[3]
-        cache = KVCache.empty(model.config, N, T + max_new_tokens - 1, prompt_cache.k.dtype, device)
-        cache.k[:, :, :, :T] = prompt_cache.k[:, which]
-        cache.v[:, :, :, :T] = prompt_cache.v[:, which]
-        del prompt_cache
-        prompt_len = torch.tensor([len(p) for p in distinct], device=device)[which]
-        seen = None  # [N, V] bool: the tokens already in each row, for the repetition penalty
-        if repetition_penalty != 1.0:
-            seen = torch.zeros(len(distinct), first_logits.shape[-1], dtype=torch.bool, device=device)
-            for i, p in enumerate(distinct):
-                seen[i, torch.tensor(p, device=device)] = True
-            seen = seen[which]
-        longest_stop = max([1] + [len(s) for s in stop_sequences])
-        long = dict(dtype=torch.long, device=device)
-        batch = Batch(cache, rows=torch.arange(N, **long), tokens=torch.zeros(N, **long), positions=prompt_len.clone(),
-                      start=T - prompt_len, step=torch.zeros((), **long),
-                      done=torch.zeros(N, dtype=torch.bool, device=device),
-                      recent=torch.full((N, longest_stop), -1, **long), seen=seen)
-        outputs = torch.full((N + 1, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-        full = reports_full_logprobs(temperature, top_k, top_p, min_p, repetition_penalty)
-        decoding = Decoding(
-            prompt_width=T, head=model.lm_head_weight.to(dtype),
-            key=sampling_key(generator, device) if temperature > 0 else torch.zeros(2, **long),  # greedy draws nothing
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-            eos=torch.tensor(list(eos_token_ids), **long), stops=[torch.tensor(s, **long) for s in stop_sequences],
-            pad=pad_token_id,
-            completion=outputs, written=torch.zeros_like(outputs, dtype=torch.bool),
-            sampling_logprobs=torch.zeros_like(outputs, dtype=torch.float32),
-            full_logprobs=torch.zeros_like(outputs, dtype=torch.float32) if full else None,
-            stopped=torch.zeros(N + 1, dtype=torch.bool, device=device),
-            forced=torch.full_like(outputs, -1) if end_of_turn is not None else None)
+    check_generate_args(prompts, num_generations, max_new_tokens, stop_sequences, end_of_turn, max_turns)
+    device, G, N = model.inv_freq.device, num_generations, len(prompts) * num_generations
+    dtype = compute_dtype(model, dtype)
+    use_packed = use_packed_decoder(device)
+    distinct, which = distinct_prompts(prompts, G, device)
+    with static_step_weights(model, dtype, use_packed):
+        cache, first_logits = prefill_rows(model, distinct, which, max_new_tokens, dtype)
+        batch, decoding = start_decoding(
+            model, cache, distinct, which, max_new_tokens, dtype, temperature=temperature, top_k=top_k, top_p=top_p,
+            min_p=min_p, repetition_penalty=repetition_penalty, eos_token_ids=eos_token_ids,
+            stop_sequences=stop_sequences, pad_token_id=pad_token_id, generator=generator,
+            multi_turn=end_of_turn is not None)
         turn_counts = [0] * N  # the times ids were appended to each row, for max_turns
-        room = [model.config.max_position_embeddings - len(prompts[row // G]) for row in range(N)]
-        sample_and_record(first_logits[which], batch, decoding)
+        room = [model.config.max_position_embeddings - len(p) for p in prompts for _ in range(G)]
+        sample_and_record(first_logits[which], batch, decoding)  # token 0, from the prefill's logits
         if end_of_turn is not None:
             continue_turns(batch, decoding, 0, torch.zeros_like(batch.done), end_of_turn, turn_counts, max_turns, room)
 
         packed = PackedDecoder(model, N, dtype) if use_packed else None
-        padding = use_packed and bool((batch.start > 0).any())  # else a packed step needs no mask at all
-        autocast = torch.autocast(device.type, dtype=dtype, enabled=narrowing, cache_enabled=False)
-
-        def stepper(batch: Batch) -> Callable[[int], None]:
-            """`stepper(batch)(t)` feeds token t - 1 of every row of `batch` and samples token t."""
-            if packed is not None:
-                slots = torch.arange(batch.cache.k.shape[3], device=device)
-                mask = (slots >= batch.start[:, None])[:, None, None] if padding else None
-                return lambda t: packed_one_token(packed, batch, decoding, T + t - 1, mask)
-
-            def step() -> None:
-                with autocast, decoding_attention(device):
-                    decode_one_token(model, batch, decoding)
-
-            captured = CapturedStep(step) if device.type == "cuda" and cuda_graphs_enabled() else step
-            return lambda t: captured()
-
-        step = stepper(batch)
+        padded = use_packed and bool((batch.start > 0).any())  # else a packed step needs no mask at all
+        step = step_function(model, batch, decoding, dtype, packed, padded)
         for t in range(1, max_new_tokens):
             if t % CHECK_EVERY == 0:
                 live = int((~batch.done).sum())  # host sync, once every CHECK_EVERY steps
@@ -431,30 +541,14 @@ def generate(
                     progress(t, N - live)
                 if live == 0:
                     break
-                B = len(batch.rows)
-                size = live if packed is not None else bucket(live)
-                if (B - live) * COMPACT_FRACTION >= B and size < B:
-                    # Drop finished rows; copying the cache's filled part is cheaper than decoding them.
-                    batch = compact(batch, size, T + t - 1, model, scratch_row=N)
+                size = compacted_size(len(batch.rows), live, packed is not None)
+                if size is not None:  # copying the cache's filled part is cheaper than decoding finished rows
+                    batch = compact(batch, size, decoding.prompt_width + t - 1, model, scratch_row=N)
                     if packed is not None:
                         packed.repack(size)
-                    step = stepper(batch)
-            if end_of_turn is None:
-                step(t)
-            else:
-                was_done = batch.done.clone()
-                step(t)
+                    step = step_function(model, batch, decoding, dtype, packed, padded)
+            was_done = None if end_of_turn is None else batch.done.clone()
+            step(t)
+            if end_of_turn is not None:
                 continue_turns(batch, decoding, t, was_done, end_of_turn, turn_counts, max_turns, room)
-
-    lengths = decoding.written[:N].sum(1)
-    width = int(lengths.max())
-    return Rollout(
-        prompt_ids=[list(p) for p in prompts for _ in range(G)],
-        completion_ids=decoding.completion[:N, :width].contiguous(),
-        completion_mask=decoding.written[:N, :width].long(),
-        lengths=lengths,
-        truncated=~decoding.stopped[:N],
-        sampling_logprobs=decoding.sampling_logprobs[:N, :width].contiguous(),
-        full_logprobs=decoding.full_logprobs[:N, :width].contiguous() if full else None,
-        tool_mask=(decoding.forced[:N, :width] < 0).long() if end_of_turn is not None else None,
-    )
+    return collect_rollout(decoding, prompts, G)
