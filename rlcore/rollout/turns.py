@@ -10,12 +10,11 @@ prefilled again, and the other rows decode meanwhile.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
-if TYPE_CHECKING:  # engine imports this module
-    from rlcore.rollout.engine import Batch, Decoding
+from rlcore.rollout.state import Batch, Decoding
 
 EndOfTurn = Callable[[int, list[int]], list[int] | None]
 """`end_of_turn(row, completion_ids)`: called on the host for global row `row` whose turn just
