@@ -209,7 +209,7 @@ def packed_one_token(packed: PackedDecoder, batch: Batch, decoding: Decoding, sl
                      mask: torch.Tensor | None) -> None:
     """`decode_one_token` with PackedDecoder's forward pass (the CPU path): the batch's tokens are
     fed at `slot` (= T + batch.step, from the host) and attend over the filled slots only
-    (`mask` `[B, 1, 1, S]`, or None when no row is padded)."""
+    (`mask` `[B, 1, 1, slots]`, or None when no row is padded)."""
     view = KVCache(batch.cache.k[:, :, :, :slot + 1], batch.cache.v[:, :, :, :slot + 1])
     logits = packed(batch.tokens, batch.positions, view, None if mask is None else mask[..., :slot + 1], slot)
     batch.positions.add_(1)

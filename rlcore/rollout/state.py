@@ -42,7 +42,7 @@ class Batch:
     and each step updates it in place (a CUDA graph replays on fixed addresses). Finished rows
     stay, masked; padding rows (global row N, a scratch row of the outputs) fill a bucket."""
 
-    cache: KVCache             # [L, B, H_kv, S, D]
+    cache: KVCache             # [L, B, H_kv, slots, D], slots = T + max_new_tokens - 1
     rows: torch.Tensor         # [B] long, each row's global row
     tokens: torch.Tensor       # [B] long, the token sampled last, fed next
     positions: torch.Tensor    # [B] long, its RoPE position
