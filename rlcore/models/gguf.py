@@ -71,40 +71,43 @@ def import_gguf(file: str | os.PathLike, out_dir: str | os.PathLike, dtype: str 
     meta = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
     tensors = {t.name: t for t in reader.tensors}
     config = model_config(meta, tensors, file)
-    cfg = ModelConfig.from_hf(config, source=str(file))
+    backend, tokenizer_config = build_tokenizer(meta, file)  # before the slow part: its errors come first
     with torch.device("meta"):
-        model = Transformer(cfg)
-    expected = {name: p.shape for name, p in model.state_dict().items()}
-    state = {}
-    for name, tensor in tensors.items():
-        hf_name = hf_tensor_name(name, file)
-        try:
-            weights = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        except NotImplementedError:
-            raise GGUFError(f"{file}: tensor {name} is stored as {tensor.tensor_type.name}, which gguf "
-                            f"{version('gguf')} cannot dequantize; upgrade it (pip install -U gguf)") from None
-        w = torch.from_numpy(weights)
-        if hf_name not in expected or w.shape != expected[hf_name]:
-            want = tuple(expected[hf_name]) if hf_name in expected else "no such tensor"
-            raise GGUFError(f"{file}: tensor {name} ({hf_name}, shape {tuple(w.shape)}) does not fit the "
-                            f"{config['model_type']} model its metadata describes ({want}); the file is inconsistent")
-        if config["model_type"] == "llama" and (".attn_q." in name or ".attn_k." in name):
-            w = unpermute_rows(w, cfg.num_attention_heads if ".attn_q." in name else cfg.num_key_value_heads)
-        state[hf_name] = w.to(DTYPES[dtype])
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise GGUFError(f"{file}: no tensors for {missing[:6]}{' ...' if len(missing) > 6 else ''}; "
-                        f"the file is incomplete")
-    model.load_state_dict(state, strict=True, assign=True)
-    backend, tokenizer_config = build_tokenizer(meta, file)
-    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+        model = Transformer(ModelConfig.from_hf(config, source=str(file)))
+    model.load_state_dict(dequantized_weights(gguf, tensors, model, file, DTYPES[dtype]), strict=True, assign=True)
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
     with tempfile.TemporaryDirectory() as tmp:
         backend.save(os.path.join(tmp, "tokenizer.json"))
         for name, content in (("tokenizer_config.json", tokenizer_config), ("generation_config.json", generation)):
             with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
                 json.dump(content, f, indent=2, ensure_ascii=False)
-        extra = {name: os.path.join(tmp, name) for name in os.listdir(tmp)}
-        return save_model(model, out_dir, extra_files=extra)
+        return save_model(model, out_dir, extra_files={name: os.path.join(tmp, name) for name in os.listdir(tmp)})
+
+
+def dequantized_weights(gguf, tensors: dict, model: Transformer, file: Path, dtype: torch.dtype) -> dict:
+    """The state dict of `model` (built on the meta device) from the file's tensors: each
+    dequantized to fp32, renamed, Llama's q/k rows put back in transformers' order, cast to `dtype`."""
+    cfg, expected = model.config, {name: p.shape for name, p in model.state_dict().items()}
+    state = {}
+    for name, tensor in tensors.items():
+        hf_name = hf_tensor_name(name, file)
+        try:
+            w = torch.from_numpy(np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
+        except NotImplementedError:
+            raise GGUFError(f"{file}: tensor {name} is stored as {tensor.tensor_type.name}, which gguf "
+                            f"{version('gguf')} cannot dequantize; upgrade it (pip install -U gguf)") from None
+        if hf_name not in expected or w.shape != expected[hf_name]:
+            want = f"shape {tuple(expected[hf_name])}" if hf_name in expected else "no such tensor"
+            raise GGUFError(f"{file}: tensor {name} ({hf_name}, shape {tuple(w.shape)}) does not fit the "
+                            f"{cfg.model_type} model its metadata describes ({want}); the file is inconsistent")
+        if cfg.model_type == "llama" and (".attn_q." in name or ".attn_k." in name):
+            w = unpermute_rows(w, cfg.num_attention_heads if ".attn_q." in name else cfg.num_key_value_heads)
+        state[hf_name] = w.to(dtype)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise GGUFError(f"{file}: no tensors for {missing[:6]}{' ...' if len(missing) > 6 else ''}; "
+                        f"the file is incomplete")
+    return state
 
 
 def read_gguf(gguf, file: Path):
@@ -118,9 +121,6 @@ def read_gguf(gguf, file: Path):
         reader = gguf.GGUFReader(file)
     except (ValueError, IndexError, OSError) as e:  # numpy fails to fit what the header promises into the file
         raise GGUFError(f"{file} is truncated or damaged ({e}); download it again") from None
-    size = file.stat().st_size
-    if any(t.data_offset + t.n_bytes > size for t in reader.tensors):
-        raise GGUFError(f"{file} is truncated: its tensors end past the file's {size} bytes; download it again")
     return reader
 
 
