@@ -142,6 +142,8 @@ def model_config(meta: dict, tensors: dict, file: Path) -> dict:
                 "attention.layer_norm_rms_epsilon") + (("rope.scaling.factor",) if scaling == "linear" else ())
     if missing := [f"{arch}.{k}" for k in required if f"{arch}.{k}" not in meta]:
         raise GGUFError(f"{file}: the metadata has no {', '.join(missing)}; the file is incomplete")
+    if "token_embd.weight" not in tensors:
+        raise GGUFError(f"{file}: no token_embd.weight tensor (the embedding); the file is incomplete")
     value = {k.removeprefix(f"{arch}."): v for k, v in meta.items() if k.startswith(f"{arch}.")}
     heads, hidden = int(value["attention.head_count"]), int(value["embedding_length"])
     config = {
@@ -247,6 +249,7 @@ def build_tokenizer(meta: dict, file: Path) -> tuple[Tokenizer, dict]:
     added = {str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized, "rstrip": t.rstrip,
                       "single_word": t.single_word, "special": t.special}
              for i, t in sorted(backend.get_added_tokens_decoder().items())}
+    # PreTrainedTokenizerFast: transformers runs tokenizer.json as written (a model's own class may rebuild it)
     tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "add_bos_token": add_bos,
                         "add_eos_token": add_eos, "added_tokens_decoder": added,
                         "clean_up_tokenization_spaces": False}
