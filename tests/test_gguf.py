@@ -278,6 +278,13 @@ def test_without_the_gguf_package_the_error_names_the_extra(tmp_path, monkeypatc
         import_gguf(tmp_path / "model.gguf", tmp_path / "out")
 
 
+def test_fetch_without_the_gguf_package_stops_before_downloading(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    assert main(["fetch-smollm2", "--cache", str(tmp_path / "cache")]) == 1
+    assert 'pip install -e ".[gguf]"' in capsys.readouterr().err
+    assert not (tmp_path / "cache").exists()
+
+
 def test_cli_import_gguf_writes_the_checkpoint(tmp_path, capsys):
     file = tmp_path / "qwen3.gguf"
     write_gguf(file, "qwen3_tied")

