@@ -633,9 +633,10 @@ def test_reward_weights_length_must_match_reward_funcs():
         load_config(None, ["loss.reward_weights=[1, 2]"])
 
 
-def test_a_reward_model_id_is_named_as_unsupported():
+def test_a_reward_model_hub_id_is_named_as_one_to_fetch_first():
     with pytest.raises(ConfigError, match=r"unknown reward 'org/reward-model-deberta' \(a Hugging Face model id\? "
-                                          r"rlcore scores with Python functions, not reward models"):
+                                          r"rlcore never downloads: fetch the reward model, e.g. hf download "
+                                          r"org/reward-model-deberta --local-dir ckpt/reward-model-deberta"):
         load_config(None, ["loss.reward_funcs=['org/reward-model-deberta']"])
 
 

@@ -159,7 +159,9 @@ class LossArgs:
     reward_weights: list[float] | None = None
     """weight of each reward function, same order as reward_funcs; None = all 1.0"""
     reward_funcs: list[str] = field(default_factory=lambda: ["accuracy"])
-    """reward functions: built-in names (rlcore.rewards.answers.REWARDS) or "module:function" of your own"""
+    """reward functions: built-in names (rlcore.rewards.answers.REWARDS), "module:function" of your own, or a reward model dir"""
+    reward_model_batch_size: int = 8
+    """completions a reward model (a reward_funcs checkpoint dir) scores per forward pass"""
     reward_on_error: Literal["raise", "none"] = "raise"
     """a reward function that raises stops the run ("raise") or scores that completion None ("none")"""
 

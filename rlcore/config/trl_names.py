@@ -199,7 +199,8 @@ FOREIGN = {
     "algorithm": "verl's; rlcore's advantages are GRPO's (loss.scale_rewards), its KL is loss.beta",
     "trainer": "verl's; rlcore's are train.max_steps, train.save_steps, train.output_dir, ...",
     "critic": "verl's; GRPO has no critic",
-    "reward_model": "verl's; rlcore scores with loss.reward_funcs (Python functions)",
+    "reward_model": "verl's; rlcore's reward models are loss.reward_funcs entries: a reward model's checkpoint "
+                    "directory (verl's reward_model.model.path), beside Python functions",
     "train_files": "verl's; rlcore reads one JSONL file: data.path (data.task = 'jsonl')",
     "val_files": "verl's; rlcore's held-out file is data.eval_path",
     "train_batch_size": "verl's prompts per step; rlcore's round is train.per_device_train_batch_size x "
