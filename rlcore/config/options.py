@@ -232,7 +232,16 @@ class TrainArgs:
     """stop after this many consecutive steps with a non-finite loss or gradient (they are skipped)"""
     eval_max_completion_length: int | None = None
     """most tokens per completion at evaluation (greedy); None = rollout.max_completion_length"""
+    report_to: str | list[str] = "none"
+    """trackers that also get the metrics, evaluations and config: 'tensorboard', 'wandb', 'trackio', a list, or 'none'"""
+    run_name: str | None = None
+    """the run's name in the trackers (report_to); None = the run directory's name"""
+    project: str = "huggingface"
+    """the trackers' project: trackio's, and wandb's unless WANDB_PROJECT is set (TRL's default)"""
 
+
+TRACKERS = ("tensorboard", "wandb", "trackio")
+"""The trackers train.report_to can name, each an optional extra of the same name (pip install -e ".[wandb]")."""
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The projections LoRA adapters can go on (Hugging Face's names; 'all-linear' is every one)."""

@@ -16,7 +16,7 @@ import warnings
 
 from rlcore import ConfigError, RlcoreWarning
 from rlcore.config.geometry import Geometry
-from rlcore.config.options import LORA_TARGETS
+from rlcore.config.options import LORA_TARGETS, TRACKERS
 from rlcore.data.tasks import TASK_REWARD
 from rlcore.rewards.answers import REWARDS
 from rlcore.rewards.scoring import names_reward_model
@@ -304,6 +304,10 @@ def validate(config: Config, world_size: int = 1) -> None:
          "train.fsdp = false: set train.fsdp = true too (or train.fsdp_offload = false)")
     need(not (train.fsdp and config.loss.sync_ref_model), "loss.sync_ref_model mixes the policy into a reference "
          "that checkpoints keep whole; it is not supported with train.fsdp: set one of them to false")
+    reporting = [train.report_to] if isinstance(train.report_to, str) else train.report_to
+    need(reporting in (["none"], []) or not set(reporting) - set(TRACKERS),
+         f"train.report_to = {train.report_to!r}: rlcore reports to {', '.join(TRACKERS)} (a name or a list of them), "
+         f"or 'none'")
     problems += lora_problems(config)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))

@@ -36,6 +36,7 @@ from rlcore.rewards.reward_model import RewardModel
 from rlcore.rewards.scoring import REWARD_EXTRAS, check_reward_funcs, dataset_columns, get_reward_funcs
 from rlcore.run.checkpoints import load_resumed_model, way_back
 from rlcore.run.rundir import RunDir
+from rlcore.run.tracking import check_installed
 from rlcore.tools.calls import tool_call_format
 from rlcore.tools.toolbox import Toolbox, load_environment_factory, load_tool, reset_environment
 from rlcore.tools.turns import ToolTurns, is_prefix_preserving, tool_suffix_ids, training_chat_template
@@ -306,6 +307,8 @@ def setup(cfg: Config, resume: str | os.PathLike | RunDir | None = None) -> Run:
         run_dir.check_new()
     if resume:
         run_dir.check_resumed(cfg)
+    if main:  # rank 0 reports to train.report_to's trackers (run_dir.create starts them)
+        check_installed(train_cfg.report_to)
     torch.manual_seed(train_cfg.seed)
 
     # Data and reward functions (checked before a model loads), model, tokenizer.
