@@ -295,3 +295,10 @@ def test_two_reward_models_of_one_name_are_an_error(qwen_dir, tmp_path):
     with pytest.raises(ValueError, match="names 'rm' twice .* rename the reward model's directory"):
         setup(cfg)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_reward_model_directory_that_is_gone_is_named_as_missing(tmp_path):
+    from rlcore import ConfigError
+
+    with pytest.raises(ConfigError, match=f"unknown reward '{tmp_path / 'moved'}' \\(no such directory\\)"):
+        load_config(None, [f"loss.reward_funcs=['{tmp_path / 'moved'}']"])

@@ -22,9 +22,9 @@ An infinite score (or one past float32's range) is an error. Async functions are
 The built-in ones (`accuracy`, `format`, `countdown`) are in answers.py, and a reward model (a
 sequence classifier's checkpoint directory) is reward_model.py's `RewardModel`. Your own has the
 same shape; name it in the config as "module:function", with the module importable: from the
-current directory (the command line puts it on the path) or PYTHONPATH. An object with `__call__` works
-too (name the instance, not its class). Its signature is checked against these keywords before
-the run starts (`check_reward_funcs`).
+current directory (the command line puts it on the path) or PYTHONPATH. An object with
+`__call__` works too (name the instance, not its class). Its signature is checked against these
+keywords before the run starts (`check_reward_funcs`).
 """
 
 from __future__ import annotations
