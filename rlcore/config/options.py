@@ -159,7 +159,7 @@ class LossArgs:
     reward_weights: list[float] | None = None
     """weight of each reward function, same order as reward_funcs; None = all 1.0"""
     reward_funcs: list[str] = field(default_factory=lambda: ["accuracy"])
-    """reward functions: built-in names (rlcore.rewards.answers.REWARDS), "module:function" of your own, or a reward model dir"""
+    """reward functions: built-in names (rlcore.rewards.answers.REWARDS), "module:function", or a reward model's dir"""
     reward_model_batch_size: int = 8
     """completions a reward model (a reward_funcs checkpoint dir) scores per forward pass"""
     reward_on_error: Literal["raise", "none"] = "raise"
@@ -233,7 +233,7 @@ class TrainArgs:
     eval_max_completion_length: int | None = None
     """most tokens per completion at evaluation (greedy); None = rollout.max_completion_length"""
     report_to: str | list[str] = "none"
-    """trackers that also get the metrics, evaluations and config: 'tensorboard', 'wandb', 'trackio', a list, or 'none'"""
+    """trackers that also get metrics, evaluations and config: 'tensorboard', 'wandb', 'trackio', a list, or 'none'"""
     run_name: str | None = None
     """the run's name in the trackers (report_to); None = the run directory's name"""
     project: str = "huggingface"

@@ -194,9 +194,10 @@ def validate(config: Config, world_size: int = 1) -> None:
     for name in loss.reward_funcs:
         if names_reward_model(name) and not os.path.isdir(name):  # else a reward model's directory
             close = difflib.get_close_matches(name, REWARDS, n=1)
-            model = ("" if "/" not in name else " (no such directory)" if os.path.isabs(name) or name.count("/") > 1
-                     else f" (a Hugging Face model id? rlcore never downloads: fetch the reward model, e.g. hf download "
-                          f"{name} --local-dir ckpt/{os.path.basename(name)}, and give that directory)")
+            hub_id = "/" in name and not os.path.isabs(name) and name.count("/") == 1  # org/name
+            model = (f" (a Hugging Face model id? rlcore never downloads: fetch the reward model, e.g. hf download "
+                     f"{name} --local-dir ckpt/{os.path.basename(name)}, and give that directory)" if hub_id
+                     else " (no such directory)" if "/" in name else "")
             problems.append(f"loss.reward_funcs has unknown reward {name!r}{model}; built-in rewards are "
                             f"{', '.join(REWARDS)}" + (f" (did you mean {close[0]!r}?)" if close else "")
                             + ", or give your own as 'module:function', or a reward model's checkpoint directory")
