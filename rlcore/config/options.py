@@ -159,7 +159,9 @@ class LossArgs:
     reward_weights: list[float] | None = None
     """weight of each reward function, same order as reward_funcs; None = all 1.0"""
     reward_funcs: list[str] = field(default_factory=lambda: ["accuracy"])
-    """reward functions: built-in names (rlcore.rewards.answers.REWARDS) or "module:function" of your own"""
+    """reward functions: built-in names (rlcore.rewards.answers.REWARDS), "module:function", or a reward model's dir"""
+    reward_model_batch_size: int = 8
+    """completions a reward model (a reward_funcs checkpoint dir) scores per forward pass"""
     reward_on_error: Literal["raise", "none"] = "raise"
     """a reward function that raises stops the run ("raise") or scores that completion None ("none")"""
 
@@ -230,7 +232,16 @@ class TrainArgs:
     """stop after this many consecutive steps with a non-finite loss or gradient (they are skipped)"""
     eval_max_completion_length: int | None = None
     """most tokens per completion at evaluation (greedy); None = rollout.max_completion_length"""
+    report_to: str | list[str] = "none"
+    """trackers that also get metrics, evaluations and config: 'tensorboard', 'wandb', 'trackio', a list, or 'none'"""
+    run_name: str | None = None
+    """the run's name in the trackers (report_to); None = the run directory's name"""
+    project: str = "huggingface"
+    """the trackers' project: trackio's, and wandb's unless WANDB_PROJECT is set (TRL's default)"""
 
+
+TRACKERS = ("tensorboard", "wandb", "trackio")
+"""The trackers train.report_to can name, each an optional extra of the same name (pip install -e ".[wandb]")."""
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The projections LoRA adapters can go on (Hugging Face's names; 'all-linear' is every one)."""
