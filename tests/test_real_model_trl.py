@@ -10,9 +10,11 @@ full size and the two runs' weights part after one step: the multi-step case tra
 learning_rate 0, so both sides compute every step's gradient from the same state, through rounds
 of several optimizer steps, mu = 2 replays and the reference model.
 
-Tolerance: the two sides compute in fp32 and differ only in rounding (the same computation in
-fp64 agrees to 1e-12); the step's whole gradient agrees to GRAD_RTOL, its largest tensors each to
-TENSOR_RTOL.
+Tolerance, from fp64: on step 1's micro-batches transformers' own fp32 gradient is 8.4e-6 (relative)
+from its fp64 gradient and rlcore's 4.7e-6, while rlcore's and transformers' fp64 gradients agree to
+1.5e-7. So the two fp32 gradients can be about 1.3e-5 apart by rounding alone (they are 8e-6 apart):
+the whole gradient is held to GRAD_RTOL = 3e-5, its large tensors to TENSOR_RTOL, and the gradient
+norm, a sum over 135M squares in which rounding cancels, to 1e-5 (it agrees to 3e-7).
 """
 
 import pytest
@@ -24,8 +26,9 @@ trl = pytest.importorskip("trl", reason="TRL is the reference")
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
-GRAD_RTOL = 1e-5  # |g_rlcore - g_trl| / |g_trl| over every parameter of the step
-TENSOR_RTOL = 1e-4  # the same, per tensor holding at least 1% of the gradient's norm
+GRAD_RTOL = 3e-5  # |g_rlcore - g_trl| / |g_trl| over every parameter of the step
+TENSOR_RTOL = 2e-4  # the same, per tensor holding at least 1% of the gradient's norm
+NORM_RTOL = 1e-5
 
 # TRL GRPOConfig keys, given to both; every loss_type once, gradient accumulation 1, 2 and 4 among them.
 FIRST_STEP = {
@@ -39,10 +42,9 @@ FIRST_STEP = {
     "sapo, GA 4, beta": dict(loss_type="sapo", gradient_accumulation_steps=4, beta=0.04),
     "vespo, GA 2": dict(loss_type="vespo", gradient_accumulation_steps=2),
 }
-FROM_THE_SAME_STATE = {  # learning_rate 0: four steps, two rounds of two, each replayed twice
+FROM_THE_SAME_STATE = {  # four steps at learning_rate 0: two rounds of two steps, each replayed twice
     "grpo, beta, mu = 2, steps_per_generation 4 over GA 2": dict(
-        loss_type="grpo", beta=0.04, num_iterations=2, steps_per_generation=4, gradient_accumulation_steps=2,
-        max_steps=4, learning_rate=0.0),
+        loss_type="grpo", beta=0.04, num_iterations=2, steps_per_generation=4, gradient_accumulation_steps=2),
 }
 
 
@@ -80,16 +82,15 @@ def relative_difference(ours: dict, theirs: dict, names=None) -> float:
     return (diff / sum(theirs[n].double().norm() ** 2 for n in names) ** 0.5).item()
 
 
-def check_gradients(options, smollm2, tmp_path, monkeypatch) -> None:
-    monkeypatch.setitem(harness.COMMON, "max_steps", 1)
-    monkeypatch.setitem(harness.COMMON, "learning_rate", 1e-5)
+def check_gradients(options, smollm2, tmp_path, monkeypatch, steps: int = 1, learning_rate: float = 1e-5) -> None:
+    monkeypatch.setitem(harness.COMMON, "max_steps", steps)
+    monkeypatch.setitem(harness.COMMON, "learning_rate", learning_rate)
     monkeypatch.setitem(harness.COMMON, "lr_scheduler_type", "constant")
     data = write_gsm8k(tmp_path / "prompts.jsonl", range(8))
     ours, theirs = spy_gradients(monkeypatch)
-    rounds, rows, _ = harness.run_rlcore(options, smollm2, data, tmp_path, monkeypatch)
+    rounds, rows, _ = harness.run_rlcore(options, smollm2, data, tmp_path, monkeypatch, weights=False)
     logs, _ = harness.run_trl(options, smollm2, rounds, tmp_path, monkeypatch)
 
-    steps = {**harness.COMMON, **options}["max_steps"]
     assert len(ours) == len(theirs) == len(rows) == len(logs) == steps
     for step, (mine, want) in enumerate(zip(ours, theirs), start=1):
         assert mine.keys() == want.keys()
@@ -98,7 +99,7 @@ def check_gradients(options, smollm2, tmp_path, monkeypatch) -> None:
         norm = sum(g.double().norm() ** 2 for g in want.values()) ** 0.5
         for name in (n for n in want if want[n].double().norm() >= 0.01 * norm):
             assert relative_difference(mine, want, [name]) <= TENSOR_RTOL, (step, name)
-    assert [r["grad_norm"] for r in rows] == pytest.approx([h["grad_norm"] for h in logs], rel=GRAD_RTOL)
+    assert [r["grad_norm"] for r in rows] == pytest.approx([h["grad_norm"] for h in logs], rel=NORM_RTOL)
 
 
 @pytest.mark.parametrize("case", FIRST_STEP)
@@ -108,4 +109,4 @@ def test_first_step_gradient_equals_trls(case, smollm2, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("case", FROM_THE_SAME_STATE)
 def test_each_steps_gradient_from_the_same_state_equals_trls(case, smollm2, tmp_path, monkeypatch):
-    check_gradients(FROM_THE_SAME_STATE[case], smollm2, tmp_path, monkeypatch)
+    check_gradients(FROM_THE_SAME_STATE[case], smollm2, tmp_path, monkeypatch, steps=4, learning_rate=0.0)

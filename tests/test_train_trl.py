@@ -99,8 +99,10 @@ class Thresholds:
                     for log_ratio, mask in self.ratios), default=float("inf"))
 
 
-def run_rlcore(options: dict, model_dir, data, tmp_path, monkeypatch, thresholds: Thresholds | None = None):
-    """rlcore's loop on the fixed completions; returns its prompts per round, metrics rows and weights."""
+def run_rlcore(options: dict, model_dir, data, tmp_path, monkeypatch, thresholds: Thresholds | None = None,
+               weights: bool = True):
+    """rlcore's loop on the fixed completions; returns its prompts per round, metrics rows and weights
+    (None with weights=False)."""
     import rlcore.train
     from rlcore.models.tokenizer import Tokenizer
 
@@ -124,9 +126,10 @@ def run_rlcore(options: dict, model_dir, data, tmp_path, monkeypatch, thresholds
             thresholds.watch(spies)
         rlcore.train.train(cfg)
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    if not weights:
+        return rounds, rows, None
     steps = {**COMMON, **options}["max_steps"]
-    weights = transformers.AutoModelForCausalLM.from_pretrained(run / f"checkpoint-{steps}" / "model").state_dict()
-    return rounds, rows, weights
+    return rounds, rows, transformers.AutoModelForCausalLM.from_pretrained(run / f"checkpoint-{steps}" / "model").state_dict()
 
 
 def shuffle_as_rlcore(seed: int):
