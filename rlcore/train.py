@@ -3,6 +3,7 @@
     for each round:
         rollout      G completions for each of b*S*P/G prompts      (rlcore.rollout)
         rewards      reward functions -> R[N, F]                        (rlcore.rewards.scoring)
+        (dynamic sampling: rollout and rewards again on new prompts until N/G groups vary)
         advantages   group-normalised, over the whole round            (rlcore.losses.advantages)
         old / ref    log-probs under no_grad, only when needed          (SPEC 1)
         for replay in range(mu):                                        (mu = num_iterations)
@@ -16,7 +17,8 @@
 The loop's comments `# 1.` to `# 6.` mark these steps (rollout; rewards and advantages; old / ref;
 the replay; the loss; the optimizer step and its metrics), and eval and checkpoint end each round.
 
-The loop's own flags (off-policy or not, beta, TIS, the entropy bonus, a synced reference) are
+The loop's own flags (off-policy or not, beta, TIS, the entropy bonus, a synced reference, dynamic
+sampling) are
 `if`s in `train()`; the loss's options are one `rlcore.losses.PolicyLossOptions`, built from the
 config's [loss] section. Everything before the first round (models, tokenizer, data, reward
 functions, geometry, optimizer, run directory) is `rlcore.run.setup`'s `Run`; the run's counters
@@ -27,6 +29,7 @@ metrics rows are `StepLog`'s; the held-out evaluation is `rlcore.evaluation`. Th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -40,20 +43,21 @@ from rlcore import RlcoreWarning
 from rlcore.config import Config
 from rlcore.evaluation import held_out
 from rlcore.forward import SharedPrompts, completion_logprobs, pack
-from rlcore.losses.advantages import compute_advantages
+from rlcore.losses.advantages import compute_advantages, varied_groups, weighted_rewards
 from rlcore.losses.aggregate import aggregate_loss
 from rlcore.losses.masks import entropy_mask, mask_truncated, tis_weights
 from rlcore.losses.policy import PolicyLossOptions, policy_loss
 from rlcore.models.transformer import Transformer, mix_into
 from rlcore.parallel import collectives, fsdp
 from rlcore.rewards.scoring import RewardFunctionError, RewardState, reward_extras, reward_inputs, score_completions
-from rlcore.rollout.completions import completion_texts, completion_token_ids, sample_completions
+from rlcore.rollout.completions import (completion_texts, completion_token_ids, sample_completions, take_rows,
+                                        tool_reward_kwargs)
 from rlcore.rollout.engine import Rollout
 from rlcore.run.rundir import RunDir
 from rlcore.run.setup import Run, setup
 from rlcore.run.state import RunState
 from rlcore.run.steplog import MicroBatch, Progress, StepLog, Stepped
-from rlcore.tools.turns import ToolTurns
+from rlcore.tools.turns import ToolCounts, ToolTurns
 
 
 def next_prompts(examples: list[dict], pos: int, n: int, seed: int) -> list[dict]:
@@ -95,15 +99,29 @@ class RoundScores:
     stats: dict  # reward statistics and reward/accuracy, on every step's metrics row
     logged: dict[str, float]  # the reward functions' log_metric values, averaged over the round
     extra_columns: dict[str, list]  # their log_extra columns, this rank's rows
+    accuracy: torch.Tensor  # [N]: the task's accuracy of each completion, NaN where it cannot score one
 
 
-def score_round(run: Run, state: RunState, rows: list[dict], completion_ids: list[list[int]], round_start: dict,
-                turns: ToolTurns | None = None) -> RoundScores:
+def round_advantages(run: Run, rewards: torch.Tensor, accuracy: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The group-normalised advantages `[N]` of a round's rewards R `[N, F]` (SPEC 2), and the
+    statistics of its metrics rows: the rewards', and reward/accuracy from the task's `accuracy`
+    `[N]` (NaN, a completion the task cannot score, such as one without an answer, counts as 0)."""
+    loss_cfg = run.cfg.loss
+    advantages, reward_stats = compute_advantages(rewards, run.geometry.G, run.reward_weights, loss_cfg.scale_rewards,
+                                                  reward_names=run.reward_names,
+                                                  multi_objective_aggregation=loss_cfg.multi_objective_aggregation)
+    stats = {**reward_stats,
+             "reward/accuracy": None if accuracy.isnan().all() else accuracy.nan_to_num(0.0).mean().item()}
+    return advantages, stats
+
+
+def score_round(run: Run, state: RunState, rows: list[dict], rollout: Rollout, completion_ids: list[list[int]],
+                round_start: dict, turns: ToolTurns | None = None) -> RoundScores:
     """Call the reward functions on this rank's rows, then gather every rank's scores and compute
     the group-normalised advantages over the whole round (SPEC 2). A reward function that fails on
     any rank stops every rank; the round has changed no weight yet, so the run is checkpointed at
     its start (`round_start`) first. With tools (`turns`) each completion is its messages, and the
-    rows' environments are TRL's `environments=`."""
+    reward functions also get `tool_mask` and the rows' environments (TRL's `environments=`)."""
     cfg, world, device, n = run.cfg, run.world, run.device, run.geometry.completions_per_rank
     loss_cfg, N, G = cfg.loss, run.geometry.completions_per_round, run.geometry.G
     texts = completion_texts(run.tok, completion_ids, turns)
@@ -114,8 +132,7 @@ def score_round(run: Run, state: RunState, rows: list[dict], completion_ids: lis
     reward_kwargs = reward_extras(
         completion_ids, reward_state, log_metric=lambda name, value: logged[name].append(float(value)),
         log_extra=lambda column, values: extra_columns.setdefault(column, []).extend(values))
-    if turns and run.toolbox.environment_factory is not None:
-        reward_kwargs["environments"] = turns.environments
+    reward_kwargs.update(tool_reward_kwargs(rollout, turns))
     R = failure = None
     try:  # a failure on one rank's rows stops every rank with it (else the others wait at the next all-gather)
         R = score_completions(run.reward_funcs, prompts, completions, column_values, loss_cfg.reward_on_error,
@@ -130,15 +147,114 @@ def score_round(run: Run, state: RunState, rows: list[dict], completion_ids: lis
         warnings.warn(f"no reward function scored any completion of round {state.data_pos // (N // G)} (all "
                       f"returned None or NaN), so every advantage is 0 and its steps learn nothing; check "
                       f"loss.reward_funcs and the columns they need (data.answer_column)", RlcoreWarning, stacklevel=3)
-    advantages, reward_stats = compute_advantages(R, G, run.reward_weights, loss_cfg.scale_rewards,
-                                                  reward_names=run.reward_names,
-                                                  multi_objective_aggregation=loss_cfg.multi_objective_aggregation)
     acc = run.accuracy_fn(prompts=prompts, completions=completions, **column_values)
     acc = collectives.gather_rows(torch.tensor([math.nan if a is None else float(a) for a in acc], device=device),
-                                  world)  # NaN: a completion the task cannot score (no answer), counted as 0
-    stats = {**reward_stats, "reward/accuracy": None if acc.isnan().all() else acc.nan_to_num(0.0).mean().item()}
+                                  world)  # NaN: a completion the task cannot score (no answer)
+    advantages, stats = round_advantages(run, R, acc)
     return RoundScores(prompts, completions, R, advantages, stats, {k: sum(v) / len(v) for k, v in logged.items()},
-                       extra_columns)
+                       extra_columns, acc)
+
+
+@dataclass
+class SampledRows:
+    """One rank's rows of a generation batch, as a round with dynamic sampling may take them (all of
+    it can be pickled, for the all-gather under torchrun)."""
+    rollout: Rollout
+    prompts: list  # as the reward functions saw them
+    completions: list
+    extra_columns: dict[str, list]  # the reward functions' log_extra columns
+    tools: ToolCounts | None  # with tools, each row's calls, failures and turns
+
+
+@dataclass
+class Generated:
+    """A generation batch of a round with dynamic sampling: this rank's rows, their scores (every
+    rank's), and which of the batch's groups the filter keeps."""
+    rows: SampledRows
+    scores: RoundScores
+    varied: torch.Tensor  # [N / G] bool: the groups whose judged rewards differ
+
+
+def filter_groups(run: Run, rollout: Rollout, turns: ToolTurns | None, scores: RoundScores) -> Generated:
+    """Judge a generation batch's groups, as DAPO's dynamic sampling does (verl's filter_groups):
+    a group is kept when its rewards differ, the weighted total reward or, with
+    rollout.filter_groups_metric, that reward function's scores (NaN, unscored, takes no part)."""
+    metric, R = run.cfg.rollout.filter_groups_metric, scores.rewards
+    if metric is None:
+        weights = torch.tensor(run.reward_weights or [1.0] * R.shape[1], dtype=torch.float64, device=R.device)
+        judged = weighted_rewards(R.double(), weights)
+    else:
+        judged = R[:, run.reward_names.index(metric)]
+    tools = None if turns is None else ToolCounts(turns.calls, turns.failures, turns.turns)
+    rows = SampledRows(rollout, scores.prompts, scores.completions, scores.extra_columns, tools)
+    return Generated(rows, scores, varied_groups(judged, run.geometry.G))
+
+
+def round_is_full(run: Run, generated: list[Generated]) -> bool:
+    """Whether dynamic sampling has the round's N/G kept groups, or rollout.max_num_gen_batches
+    generation batches (0: no cap)."""
+    cap, kept = run.cfg.rollout.max_num_gen_batches, sum(int(batch.varied.sum()) for batch in generated)
+    return kept >= run.geometry.prompts_per_round or len(generated) == cap
+
+
+def kept_groups_round(run: Run, state: RunState, generated: list[Generated],
+                      round_start: dict) -> tuple[Rollout, ToolCounts | None, RoundScores]:
+    """The round dynamic sampling trains on: the first N/G kept groups of its generation batches,
+    in the order sampled (further ones are dropped, as verl drops them), this rank's rows being
+    [rank * n, (rank + 1) * n) of them; its advantages and metrics are those of these N/G groups.
+    With fewer at the cap (rollout.max_num_gen_batches), a warning, and the round trains on them
+    and as many groups the filter dropped, first sampled first, as make N/G: those train as they
+    would without the filter (a group of equal rewards has advantages 0, SPEC 2), and every rank
+    holds its n rows, cut into the usual micro-batches. None kept is an error. Under torchrun a
+    rank's rows were mostly sampled on other ranks: one all-gather of the batches moves them."""
+    geometry, world, G, n = run.geometry, run.world, run.geometry.G, run.geometry.completions_per_rank
+    groups = geometry.prompts_per_round  # N / G
+    order = [(b, g) for b, batch in enumerate(generated) for g in batch.varied.nonzero()[:, 0].tolist()]
+    kept = order[:groups]
+    if len(kept) < groups:
+        if not kept:
+            with run.dir.saved_on_failure(run, state, round_start, (ValueError,)):
+                raise ValueError(
+                    f"dynamic sampling found no group whose rewards differ in {len(generated)} generation batches "
+                    f"(rollout.max_num_gen_batches) of {groups} prompts: every completion of a prompt scored alike; "
+                    f"check that the task is neither too hard nor too easy for the model (and the reward functions), "
+                    f"raise rollout.max_num_gen_batches (0 = no cap), or set rollout.filter_groups = false")
+        if run.main:
+            warnings.warn(f"step {state.step + 1}: dynamic sampling kept {len(kept)} of {groups} groups in "
+                          f"{len(generated)} generation batches (rollout.max_num_gen_batches); the round trains on "
+                          f"them and {groups - len(kept)} groups whose rewards are equal", RlcoreWarning, stacklevel=3)
+        kept += [(b, g) for b, batch in enumerate(generated) for g in (~batch.varied).nonzero()[:, 0].tolist()
+                 ][:groups - len(kept)]
+    rows = [(b, g * G + j) for b, g in kept for j in range(G)]  # the round's rows: (batch, row of the batch)
+    every = collectives.gather_objects([batch.rows if world == 1 else on_cpu(batch.rows) for batch in generated],
+                                       world)  # every[rank][batch]: rank r sampled rows r * n .. r * n + n - 1
+    mine = [(every[i // n][b], i % n) for b, i in rows[run.rank * n:(run.rank + 1) * n]]  # (its SampledRows, row)
+    rollout = take_rows([(part.rollout, i) for part, i in mine], run.tok.pad_token_id)
+    columns = dict.fromkeys(column for part, _ in mine for column in part.extra_columns)  # None where a batch had none
+    extra = {column: [part.extra_columns[column][i] if column in part.extra_columns else None for part, i in mine]
+             for column in columns}
+    tools = None if mine[0][0].tools is None else ToolCounts(
+        *([getattr(part.tools, count)[i] for part, i in mine] for count in ("calls", "failures", "turns")))
+    R = torch.cat([generated[b].scores.rewards[g * G:(g + 1) * G] for b, g in kept])  # [N, F], every rank's rows
+    accuracy = torch.cat([generated[b].scores.accuracy[g * G:(g + 1) * G] for b, g in kept])
+    advantages, stats = round_advantages(run, R, accuracy)
+    stats.update({"dynamic_sampling/gen_batches": len(generated),
+                  "dynamic_sampling/groups_sampled": len(generated) * groups,
+                  "dynamic_sampling/groups_kept": len(order), "dynamic_sampling/prompts_consumed": state.data_pos})
+    logged = defaultdict(list)  # each generation batch's log_metric means, averaged
+    for batch in generated:
+        for key, value in batch.scores.logged.items():
+            logged[key].append(value)
+    scores = RoundScores([part.prompts[i] for part, i in mine], [part.completions[i] for part, i in mine], R,
+                         advantages, stats, {k: sum(v) / len(v) for k, v in logged.items()}, extra, accuracy)
+    return rollout, tools, scores
+
+
+def on_cpu(rows: SampledRows) -> SampledRows:
+    """`rows` with the rollout's tensors in host memory (to pickle them for another rank)."""
+    rollout = dataclasses.replace(rows.rollout, **{key: value.cpu() for key, value in vars(rows.rollout).items()
+                                                   if isinstance(value, torch.Tensor)})
+    return dataclasses.replace(rows, rollout=rollout)
 
 
 @dataclass
@@ -262,18 +378,30 @@ def train(cfg: Config, resume: str | os.PathLike | RunDir | None = None) -> dict
     while state.step < max_steps:
         round_start = state.resume_point()  # checkpointed if scoring fails (step 2), before any weight changes
         round_end = state.step + steps_per_round
-        # 1. Rollout: G samples per prompt, token ids in and out. Every rank draws the same
-        # round of prompts and samples the rows it owns (a group may straddle two ranks).
-        with log.timed("rollout"):
-            prompts = next_prompts(run.train_set, state.data_pos, N // G, train_cfg.seed)
-            state.data_pos += N // G
-            rows = [example for example in prompts for _ in range(G)][mine]
-            rollout, turns = sample_round(run, state, rows)
+        generated = []  # dynamic sampling: this round's generation batches, judged
+        while True:
+            # 1. Rollout: G samples per prompt, token ids in and out. Every rank draws the same
+            # round of prompts and samples the rows it owns (a group may straddle two ranks).
+            with log.timed("rollout"):
+                prompts = next_prompts(run.train_set, state.data_pos, N // G, train_cfg.seed)
+                state.data_pos += N // G
+                rows = [example for example in prompts for _ in range(G)][mine]
+                rollout, turns = sample_round(run, state, rows)
 
-        # 2. Rewards and advantages, over the whole round (all ranks) before it is cut up.
+            # 2. Rewards and advantages, over the whole round (all ranks) before it is cut up.
+            with log.timed("scoring"):
+                completion_ids = completion_token_ids(rollout)
+                scores = score_round(run, state, rows, rollout, completion_ids, round_start, turns)
+                # Dynamic sampling (DAPO): only groups whose rewards differ count, and 1-2 go on with
+                # the next prompts until N/G of them are in (or rollout.max_num_gen_batches batches).
+                if rollout_cfg.filter_groups:
+                    generated.append(filter_groups(run, rollout, turns, scores))
+            if not rollout_cfg.filter_groups or round_is_full(run, generated):
+                break
         with log.timed("scoring"):
-            completion_ids = completion_token_ids(rollout)
-            scores = score_round(run, state, rows, completion_ids, round_start, turns)
+            if rollout_cfg.filter_groups:  # the round: the first N/G groups kept; advantages over them
+                rollout, turns, scores = kept_groups_round(run, state, generated, round_start)
+                completion_ids = completion_token_ids(rollout)
             batch = RoundBatch.of(rollout, completion_ids, scores.advantages[mine], run.tok.pad_token_id, device,
                                   loss_cfg.mask_truncated_completions)
 

@@ -145,7 +145,8 @@ class Stepped:
 class StepLog:
     """Each optimizer step's row of metrics.jsonl, and the progress line.
 
-    `timed(phase)` times a phase of the round (`time/<phase>`, on its first step's row); `round`
+    `timed(phase)` times a phase of the round (`time/<phase>`, summed over its blocks, on the
+    round's first step's row); `round`
     takes the round's statistics (every rank's rows), writes completions.jsonl and measures the
     engine-vs-trainer mismatch when the round has old log-probs; `step` adds the step's
     micro-batch metrics and optimizer figures, writes the row and prints the progress line."""
@@ -161,7 +162,8 @@ class StepLog:
     def timed(self, phase: str) -> Iterator[None]:
         start = clock(self.device)
         yield
-        self.times[f"time/{phase}"] = clock(self.device) - start
+        key = f"time/{phase}"  # summed over the round (dynamic sampling times each generation batch)
+        self.times[key] = self.times.get(key, 0.0) + clock(self.device) - start
 
     def round(self, scores, lengths: torch.Tensor, truncated: torch.Tensor, mask: torch.Tensor, samp: torch.Tensor,
               turns: ToolTurns | None, old: torch.Tensor | None, tis: torch.Tensor | None) -> None:
