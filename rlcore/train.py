@@ -500,5 +500,6 @@ def train(cfg: Config, resume: str | os.PathLike | RunDir | None = None) -> dict
               f"not replayed)", flush=True)
     evaluation = held_out(run, state)
     run.dir.record_eval(state.step, evaluation)
+    run.dir.close()  # the trackers' (train.report_to) last writes
     collectives.barrier(world)  # the ranks leave together, so none tears its process group down under another
     return {"before": state.before, "after": evaluation["eval/accuracy"], "run_dir": str(run.dir)}

@@ -290,9 +290,10 @@ def test_a_trl_config_loads_and_says_what_it_ignores(tmp_path):
     assert (t.weight_decay, t.bf16, t.gradient_checkpointing, t.save_total_limit) == (0.1, True, True, 3)
     assert (c.rollout.num_generations, c.rollout.repetition_penalty) == (4, 1.1)
     said = " | ".join(str(w.message) for w in caught)
-    for key in ("gradient_checkpointing_kwargs", "optim", "report_to", "use_vllm", "vllm_mode",
+    for key in ("gradient_checkpointing_kwargs", "optim", "use_vllm", "vllm_mode",
                 "vllm_gpu_memory_utilization", "disable_dropout"):
         assert f"TRL's {key} = " in said and "is ignored" in said, key
+    assert t.report_to == "none"
 
 
 @pytest.mark.parametrize("line, fix", [
@@ -377,8 +378,9 @@ def test_transformers_5_mirrored_checkpointing_keys_load_and_a_conflict_is_named
 
 
 def test_trl_options_work_from_the_command_line_too():
-    with pytest.warns(UserWarning, match="TRL's report_to = 'wandb' is ignored"):
-        assert load_config(None, ["report_to=wandb", "activation_checkpointing=true"]).train.gradient_checkpointing
+    with pytest.warns(UserWarning, match="TRL's disable_tqdm = True is ignored"):
+        c = load_config(None, ["report_to=wandb", "disable_tqdm=true", "activation_checkpointing=true"])
+    assert c.train.gradient_checkpointing and c.train.report_to == "wandb"
     with pytest.raises(ConfigError, match="use_vllm = True is not an rlcore option"):
         load_config(None, ["train.use_vllm=true"])
 
@@ -633,9 +635,10 @@ def test_reward_weights_length_must_match_reward_funcs():
         load_config(None, ["loss.reward_weights=[1, 2]"])
 
 
-def test_a_reward_model_id_is_named_as_unsupported():
+def test_a_reward_model_hub_id_is_named_as_one_to_fetch_first():
     with pytest.raises(ConfigError, match=r"unknown reward 'org/reward-model-deberta' \(a Hugging Face model id\? "
-                                          r"rlcore scores with Python functions, not reward models"):
+                                          r"rlcore never downloads: fetch the reward model, e.g. hf download "
+                                          r"org/reward-model-deberta --local-dir ckpt/reward-model-deberta"):
         load_config(None, ["loss.reward_funcs=['org/reward-model-deberta']"])
 
 

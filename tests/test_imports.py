@@ -1,13 +1,16 @@
-"""rlcore runs without transformers: importing every module must not pull it in."""
+"""rlcore runs without transformers: importing every module must not pull it in, nor the trackers
+train.report_to names (optional extras, imported only when a run reports to them)."""
 
 import subprocess
 import sys
 
 
-def test_importing_rlcore_does_not_import_transformers_or_trl():
+def test_importing_rlcore_does_not_import_transformers_trl_or_a_tracker():
     code = ("import sys, rlcore, rlcore.train, rlcore.cli, rlcore.models.transformer, rlcore.models.hf_checkpoint, "
-            "rlcore.models.tokenizer, rlcore.rollout, rlcore.losses, rlcore.models.embedded, rlcore.models.lora; "
-            "print(sorted(m for m in ('transformers', 'trl', 'accelerate') if m in sys.modules))")
+            "rlcore.models.tokenizer, rlcore.rollout, rlcore.losses, rlcore.models.embedded, rlcore.models.lora, "
+            "rlcore.models.classifier, rlcore.rewards.reward_model, rlcore.run.tracking; "
+            "print(sorted(m for m in ('transformers', 'trl', 'accelerate', 'tensorboard', 'torch.utils.tensorboard', "
+            "'wandb', 'trackio') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -345,8 +345,9 @@ def test_the_shipped_trl_style_recipe_loads_unchanged_and_trains(qwen_dir, gsm8k
             "train.gradient_accumulation_steps=1", "rollout.max_completion_length=8", f"train.output_dir={run}"])
     dropped = {str(w.message).split(" = ")[0].removeprefix("TRL's ") for w in caught}
     assert dropped == {"model_init_kwargs attn_implementation", "gradient_checkpointing_kwargs", "use_vllm",
-                       "save_strategy", "report_to"}
+                       "save_strategy"}
     t, r, lo = cfg.train, cfg.rollout, cfg.loss
+    assert t.report_to == "none"
     assert (r.num_generations, r.temperature, r.top_p, r.max_completion_length) == (16, 0.7, 0.95, 8)
     assert (t.lr_scheduler_type, t.lr_scheduler_kwargs, t.warmup_ratio) == ("cosine_with_min_lr", {"min_lr_rate": 0.1}, 0.1)
     assert (t.gradient_checkpointing, t.num_train_epochs, t.log_completions) == (True, 1.0, True)

@@ -171,9 +171,9 @@ def script_engine(monkeypatch, script: Script, pad: int):
 
     real_record, real_generate, state = engine.sample_and_record, engine.generate, {"round": -1}
 
-    def sample_and_record(logits, batch, run):
+    def sample_and_record(logits, batch, decoding):
         step, todo, pos = int(batch.step), state["todo"], state["pos"]
-        forced = (run.forced[batch.rows, step] >= 0).tolist()
+        forced = (decoding.forced[batch.rows, step] >= 0).tolist()
         tokens = []
         for r, done, appended in zip(batch.rows.tolist(), batch.done.tolist(), forced):
             if done or appended or r >= len(todo):  # r = N: the scratch row of padding rows
@@ -183,7 +183,7 @@ def script_engine(monkeypatch, script: Script, pad: int):
             tokens.append(todo[r][pos[r]])
             pos[r] += 1
         state["tokens"] = torch.tensor(tokens, device=logits.device)
-        return real_record(logits, batch, run)
+        return real_record(logits, batch, decoding)
 
     def sample(logits, temperature=1.0, *args, **kwargs):  # sampling.sample's returns
         tokens = state["tokens"]

@@ -27,6 +27,7 @@ from rlcore.config import trl_names
 from rlcore.config.options import EMBEDDED_MODEL_PATHS, PATH_OPTIONS, SECTIONS, Config, field_names, sections_with
 from rlcore.config.validation import validate
 from rlcore.config.values import accepts, check_type, shell_set, toml_literal, toml_value
+from rlcore.rewards.scoring import names_reward_model
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -84,13 +85,16 @@ RUN_CONFIG_HEADER = "# rlcore: this run's configuration, which rlcore train --re
 """The first line of the config.toml a run directory holds: `rlcore train --resume` reads it back."""
 
 def with_absolute_paths(config: Config) -> Config:
-    """A copy of `config` with the PATH_OPTIONS that are set made absolute (the embedded model's
-    "" / "embedded" stay): what a run directory records, so a --resume from elsewhere finds them."""
+    """A copy of `config` with the PATH_OPTIONS that are set, and the reward models' directories in
+    loss.reward_funcs, made absolute (the embedded model's "" / "embedded" stay): what a run
+    directory records, so a --resume from elsewhere finds them."""
     config = copy.deepcopy(config)
     for section, key in PATH_OPTIONS:
         value = getattr(getattr(config, section), key)
         if value is not None and value not in EMBEDDED_MODEL_PATHS:
             setattr(getattr(config, section), key, str(Path(value).resolve()))
+    config.loss.reward_funcs = [str(Path(name).resolve()) if names_reward_model(name) else name
+                                for name in config.loss.reward_funcs]
     return config
 
 

@@ -165,7 +165,9 @@ class LossArgs:
     reward_weights: list[float] | None = None
     """weight of each reward function, same order as reward_funcs; None = all 1.0"""
     reward_funcs: list[str] = field(default_factory=lambda: ["accuracy"])
-    """reward functions: built-in names (rlcore.rewards.answers.REWARDS) or "module:function" of your own"""
+    """reward functions: built-in names (rlcore.rewards.answers.REWARDS), "module:function", or a reward model's dir"""
+    reward_model_batch_size: int = 8
+    """completions a reward model (a reward_funcs checkpoint dir) scores per forward pass"""
     reward_on_error: Literal["raise", "none"] = "raise"
     """a reward function that raises stops the run ("raise") or scores that completion None ("none")"""
     soft_punish_cache: int | None = None
@@ -246,7 +248,16 @@ class TrainArgs:
     """sampling temperature of the n > 1 held-out completions; None = rollout.temperature"""
     eval_pass_at_k: list[int] | None = None
     """the k of eval/pass@k (each <= eval_num_generations); None = [1, eval_num_generations]"""
+    report_to: str | list[str] = "none"
+    """trackers that also get metrics, evaluations and config: 'tensorboard', 'wandb', 'trackio', a list, or 'none'"""
+    run_name: str | None = None
+    """the run's name in the trackers (report_to); None = the run directory's name"""
+    project: str = "huggingface"
+    """the trackers' project: trackio's, and wandb's unless WANDB_PROJECT is set (TRL's default)"""
 
+
+TRACKERS = ("tensorboard", "wandb", "trackio")
+"""The trackers train.report_to can name, each an optional extra of the same name (pip install -e ".[wandb]")."""
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The projections LoRA adapters can go on (Hugging Face's names; 'all-linear' is every one)."""

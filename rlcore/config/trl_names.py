@@ -6,8 +6,8 @@ the top level) into the one section that has the field. This module holds the re
 names for rlcore fields (`FLAT_ALIASES`, `rlcore_field`), the tables TRL takes whole
 (`generation_kwargs`, `model_init_kwargs`), the `loss_type` values that are a policy loss in
 rlcore (`LOSS_TYPES`), and the TRL names without an rlcore field (`TRL_ONLY`). A value of one of
-those that changes nothing about how rlcore trains (`report_to = "none"`, `use_vllm = false`, a
-`vllm_*` server setting) is dropped with a warning that says why; any other value is a
+those that changes nothing about how rlcore trains (`use_vllm = false`, a `vllm_*` server
+setting) is dropped with a warning that says why; any other value is a
 `ConfigError` that says what to set instead. Without that table they would be "unknown config
 key" errors with a spelling hint that points at an unrelated option. `FOREIGN` does the same for
 names users bring from verl and Unsloth: their "unknown config key" error names rlcore's
@@ -39,14 +39,15 @@ GENERATION_KWARGS = {"temperature": "temperature", "top_p": "top_p", "top_k": "t
 """generation_kwargs keys (transformers' GenerationConfig and vLLM's SamplingParams names) -> rollout fields."""
 
 ANY = object()  # every value is harmless: warn and drop
+# for trackio's Hub options
+LOCAL_TRACKIO = ("rlcore's report_to = 'trackio' logs to trackio's local store (TRACKIO_DIR); trackio's own "
+                 "TRACKIO_SPACE_ID environment variable syncs it to a Space")
 # for the options that pick a best checkpoint
 NEWEST = "rlcore keeps the newest checkpoints; its held-out accuracy and rewards are in eval.jsonl"
 
 # TRL name -> (values that change nothing in rlcore, why / what to set instead)
 TRL_ONLY: dict[str, tuple[object, str]] = {
     # logging, saving and bookkeeping
-    "report_to": (ANY, "rlcore logs every step to metrics.jsonl (and a PNG plot) in train.output_dir"),
-    "run_name": (ANY, "the run is named by train.output_dir"),
     "log_level": (ANY, "rlcore prints a progress line every train.logging_steps steps"),
     "logging_first_step": (ANY, "rlcore prints a progress line every train.logging_steps steps"),
     "disable_tqdm": (ANY, "rlcore prints a progress line every train.logging_steps steps"),
@@ -157,10 +158,9 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     "log_multimodal": (ANY, "rlcore's models are text only"),
     "log_unique_prompts": (ANY, "set train.log_completions for completions.jsonl"),
     "log_completions_hub_repo": ((None,), "rlcore cannot reach a model hub; completions.jsonl is in the run directory"),
-    "project": (ANY, "rlcore logs to metrics.jsonl, not to trackio"),
-    "trackio_space_id": (ANY, "rlcore logs to metrics.jsonl, not to trackio"),
-    "trackio_bucket_id": (ANY, "rlcore logs to metrics.jsonl, not to trackio"),
-    "trackio_static_space_id": (ANY, "rlcore logs to metrics.jsonl, not to trackio"),
+    "trackio_space_id": (ANY, LOCAL_TRACKIO),
+    "trackio_bucket_id": (ANY, LOCAL_TRACKIO),
+    "trackio_static_space_id": (ANY, LOCAL_TRACKIO),
     "hub_token": (ANY, "rlcore cannot reach a model hub"),
     "hub_private_repo": (ANY, "rlcore cannot reach a model hub"),
     "hub_strategy": (ANY, "rlcore cannot reach a model hub"),
@@ -209,7 +209,8 @@ FOREIGN = {
                                "loss.reward_weights",
     "trainer": "verl's; rlcore's are train.max_steps, train.save_steps, train.output_dir, ...",
     "critic": "verl's; GRPO has no critic",
-    "reward_model": "verl's; rlcore scores with loss.reward_funcs (Python functions)",
+    "reward_model": "verl's; rlcore's reward models are loss.reward_funcs entries: a reward model's checkpoint "
+                    "directory (verl's reward_model.model.path), beside Python functions",
     "train_files": "verl's; rlcore reads one JSONL file: data.path (data.task = 'jsonl')",
     "val_files": "verl's; rlcore's held-out file is data.eval_path",
     "train_batch_size": "verl's prompts per step; rlcore's round is train.per_device_train_batch_size x "

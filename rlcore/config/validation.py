@@ -10,14 +10,16 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import typing
 import warnings
 
 from rlcore import ConfigError, RlcoreWarning
 from rlcore.config.geometry import Geometry
-from rlcore.config.options import LORA_TARGETS
+from rlcore.config.options import LORA_TARGETS, TRACKERS
 from rlcore.data.tasks import TASK_REWARD
 from rlcore.rewards.answers import REWARDS
+from rlcore.rewards.scoring import names_reward_model
 
 if typing.TYPE_CHECKING:
     from rlcore.config.options import Config
@@ -178,6 +180,8 @@ def validate(config: Config, world_size: int = 1) -> None:
     need(0 < loss.top_entropy_quantile <= 1, f"loss.top_entropy_quantile = {loss.top_entropy_quantile} "
          f"must be in (0, 1]; 1.0 = train on all tokens, 0.2 = the top 20% by entropy")
     need(loss.num_iterations >= 1, f"loss.num_iterations = {loss.num_iterations} must be >= 1")
+    need(loss.reward_model_batch_size >= 1,
+         f"loss.reward_model_batch_size = {loss.reward_model_batch_size} must be >= 1")
     need(0 <= loss.tis_min < loss.tis_max, f"loss.tis_min = {loss.tis_min}, loss.tis_max = {loss.tis_max}: "
          f"need 0 <= tis_min < tis_max")
     need(len(loss.reward_funcs) >= 1 or rollout.environment_factory is not None,  # whose get_reward may score
@@ -190,13 +194,15 @@ def validate(config: Config, world_size: int = 1) -> None:
     need(not twice, f"loss.reward_funcs lists {twice[0] if twice else ''!r} more than once; its metrics and "
          f"completions.jsonl columns are keyed by name: list it once and weight it with loss.reward_weights")
     for name in loss.reward_funcs:
-        if ":" not in name and name not in REWARDS:
+        if names_reward_model(name) and not os.path.isdir(name):  # else a reward model's directory
             close = difflib.get_close_matches(name, REWARDS, n=1)
-            model = (" (a Hugging Face model id? rlcore scores with Python functions, not reward models as TRL "
-                     "also takes: call your model from a function)" if "/" in name else "")
+            hub_id = "/" in name and not os.path.isabs(name) and name.count("/") == 1  # org/name
+            model = (f" (a Hugging Face model id? rlcore never downloads: fetch the reward model, e.g. hf download "
+                     f"{name} --local-dir ckpt/{os.path.basename(name)}, and give that directory)" if hub_id
+                     else " (no such directory)" if "/" in name else "")
             problems.append(f"loss.reward_funcs has unknown reward {name!r}{model}; built-in rewards are "
                             f"{', '.join(REWARDS)}" + (f" (did you mean {close[0]!r}?)" if close else "")
-                            + ", or give your own as 'module:function'")
+                            + ", or give your own as 'module:function', or a reward model's checkpoint directory")
     problems += overlong_problems(config)
     judge = TASK_REWARD[data.task]  # the reward that decides held-out accuracy
     need(judge == "accuracy" or judge in loss.reward_funcs,
@@ -303,6 +309,10 @@ def validate(config: Config, world_size: int = 1) -> None:
          "train.fsdp = false: set train.fsdp = true too (or train.fsdp_offload = false)")
     need(not (train.fsdp and config.loss.sync_ref_model), "loss.sync_ref_model mixes the policy into a reference "
          "that checkpoints keep whole; it is not supported with train.fsdp: set one of them to false")
+    reporting = [train.report_to] if isinstance(train.report_to, str) else train.report_to
+    need(reporting in (["none"], []) or not set(reporting) - set(TRACKERS),
+         f"train.report_to = {train.report_to!r}: rlcore reports to {', '.join(TRACKERS)} (a name or a list of them), "
+         f"or 'none'")
     problems += lora_problems(config)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))

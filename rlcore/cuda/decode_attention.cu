@@ -3,7 +3,7 @@
 // PyTorch twin (the CPU path, the test oracle, and the thing to read first):
 //   decode_attention  <->  rlcore/rollout/attention.py: decode_attention_twin
 //
-// q [B, Hq, D] (contiguous); k and v [B, Hkv, S, D], one layer of the cache (rows, heads and slots
+// q [B, Hq, D] (contiguous); k and v [B, Hkv, slots, D], one layer of the cache (rows, heads and slots
 // strided, D contiguous); row b attends over its slots start[b] <= s < end[b], and query head h
 // reads kv head h / (Hq / Hkv) (grouped-query attention). Out [B, Hq, D]; fp32 or bf16 in and out,
 // fp32 arithmetic. Slots outside a row's range are never read, so a static cache costs what its
@@ -45,7 +45,7 @@ __device__ __forceinline__ float warp_sum(float x) {
 }
 
 struct Shape {
-    int B, Hq, Hkv, S, D;
+    int B, Hq, Hkv, slots, D;
     int64_t row_stride, head_stride, slot_stride;  // of k and v, in elements
     int splits, split_len, head_groups;
     float scale;
@@ -196,12 +196,12 @@ int rlcore_decode_attention_group() { return kGroup; }
 // dtype: 0 = fp32, 1 = bf16. workspace: B * Hq * splits * (D + 2) floats.
 int rlcore_decode_attention(int dtype, const void* q, const void* k, const void* v, void* out,
                             const int64_t* start, const int64_t* end, float* workspace,
-                            int B, int Hq, int Hkv, int S, int D,
+                            int B, int Hq, int Hkv, int slots, int D,
                             int64_t row_stride, int64_t head_stride, int64_t slot_stride,
                             int splits, float scale, void* stream) {
     if (B < 1 || Hkv < 1 || Hq % Hkv != 0 || D < 1 || D > 256 || splits < 1 || (dtype != 0 && dtype != 1)) return -1;
     const int group = Hq / Hkv;
-    Shape sh{B, Hq, Hkv, S, D, row_stride, head_stride, slot_stride, splits, (S + splits - 1) / splits,
+    Shape sh{B, Hq, Hkv, slots, D, row_stride, head_stride, slot_stride, splits, (slots + splits - 1) / splits,
              (group + kGroup - 1) / kGroup, scale};
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     if (dtype == 0) dispatch<float>(q, k, v, out, start, end, workspace, sh, s);

@@ -32,7 +32,7 @@ class DecodeAttention:
         self.group = lib.rlcore_decode_attention_group()
 
     def splits(self, device: torch.device, blocks: int, slots: int) -> int:
-        """How many pieces to cut the S slots into: enough blocks for BLOCKS_PER_SM a multiprocessor,
+        """How many pieces to cut the `slots` slots into: enough blocks for BLOCKS_PER_SM a multiprocessor,
         at least KEYS_PER_SPLIT slots each. Depends on shapes only, so a captured graph keeps it."""
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         wanted = math.ceil(BLOCKS_PER_SM * sms / blocks)
@@ -41,12 +41,12 @@ class DecodeAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor,
                  end: torch.Tensor) -> torch.Tensor:
         B, Hq, _, D = q.shape
-        _, Hkv, S, _ = k.shape
+        _, Hkv, slots, _ = k.shape
         if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
             raise TypeError(f"decode_attention takes fp32 or bf16 q, k and v of one dtype, got {q.dtype}, {k.dtype}, "
                             f"{v.dtype}; use decode_attention_twin for others")
         if k.shape != v.shape or k.stride() != v.stride() or k.stride(-1) != 1 or k.shape[0] != B or k.shape[3] != D:
-            raise ValueError(f"k and v must be [B, Hkv, S, D] views with the same strides and contiguous D (q is "
+            raise ValueError(f"k and v must be [B, Hkv, slots, D] views with the same strides and contiguous D (q is "
                              f"{tuple(q.shape)}, k {tuple(k.shape)} strides {k.stride()}, v {tuple(v.shape)} strides "
                              f"{v.stride()})")
         if Hq % Hkv or D > 256:
@@ -59,11 +59,11 @@ class DecodeAttention:
         start, end = start.contiguous(), end.contiguous()
         out = torch.empty_like(q)
         head_groups = math.ceil(Hq // Hkv / self.group)
-        splits = self.splits(q.device, B * Hkv * head_groups, S)
+        splits = self.splits(q.device, B * Hkv * head_groups, slots)
         workspace = torch.empty(B * Hq * splits * (D + 2), dtype=torch.float32, device=q.device)
         code = self.lib.rlcore_decode_attention(
             DTYPES[q.dtype], q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), start.data_ptr(),
-            end.data_ptr(), workspace.data_ptr(), B, Hq, Hkv, S, D, k.stride(0), k.stride(1), k.stride(2),
+            end.data_ptr(), workspace.data_ptr(), B, Hq, Hkv, slots, D, k.stride(0), k.stride(1), k.stride(2),
             splits, D ** -0.5, torch.cuda.current_stream(q.device).cuda_stream)
         if code != 0:
             raise RuntimeError(f"decode_attention did not launch: {self.lib.rlcore_cuda_error_string(code).decode()} "

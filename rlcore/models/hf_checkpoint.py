@@ -174,8 +174,9 @@ def resolve_dtype(dtype: str, path: str | os.PathLike) -> str:
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype | str = torch.float32,
-               device: torch.device | str = "cpu") -> Transformer:
-    """Load a Llama / Qwen2 / Qwen3 checkpoint directory into an rlcore `Transformer`.
+               device: torch.device | str = "cpu", model_class: type[Transformer] = Transformer) -> Transformer:
+    """Load a Llama / Qwen2 / Qwen3 checkpoint directory into an rlcore `Transformer` (or
+    `model_class`, a subclass with another head: classifier.py's).
 
     Tensor names follow transformers' rules: a tied config ignores a stored copy of the
     embedding as `lm_head.weight`, but a different stored `lm_head.weight` unties the model (with
@@ -193,7 +194,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str = torch.float32
                       "says tie_word_embeddings=false)", RlcoreWarning)
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False, raw={**cfg.raw, "tie_word_embeddings": False})
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = model_class(cfg)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         stored.pop("lm_head.weight", None)  # the tied copy some exporters write, equal to the embedding

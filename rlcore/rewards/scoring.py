@@ -23,12 +23,13 @@ example, the row has no reference answer); SPEC section 2 says how None enters t
 An infinite score (or one past float32's range) is an error. Async functions are awaited.
 `score_completions` makes these calls and stacks the scores into R [N, F].
 
-The built-in ones (`accuracy`, `format`, `countdown`) are in answers.py, and
-`soft_overlong_punishment` in lengths.py. Your own has the same
-shape; name it in the config as "module:function", with the module importable: from the current
-directory (the command line puts it on the path) or PYTHONPATH. An object with `__call__` works
-too (name the instance, not its class). Its signature is checked against these keywords before
-the run starts (`check_reward_funcs`).
+The built-in ones (`accuracy`, `format`, `countdown`) are in answers.py, `soft_overlong_punishment`
+is in lengths.py, and a reward model (a sequence classifier's checkpoint directory) is
+reward_model.py's `RewardModel`. Your own has the same shape; name it in the config as
+"module:function", with the module importable: from the current directory (the command line puts
+it on the path) or PYTHONPATH. An object with `__call__` works too (name the instance, not its
+class). Its signature is checked against these keywords before the run starts
+(`check_reward_funcs`).
 """
 
 from __future__ import annotations
@@ -286,12 +287,20 @@ def _short(x, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def names_reward_model(name: str) -> bool:
+    """Whether a loss.reward_funcs entry names a reward model's directory: neither a built-in
+    reward nor "module:function"."""
+    return ":" not in name and name not in REWARDS
+
+
 def get_reward_funcs(names: list[str], answer_column: str = "answer",
-                     soft_punish: tuple[int, int | None] | None = None) -> list[RewardFunc]:
-    """The reward functions for config names: built-in (REWARDS) or "module:function" of your own.
-    `answer_column`: the dataset column with the reference answers, which `accuracy` compares with;
-    `soft_punish`: (L_max, L_cache) of `soft_overlong_punishment` (loss.soft_punish_max_completion_len,
-    loss.soft_punish_cache)."""
+                     load_reward_model: Callable[[str], RewardFunc] | None = None,
+                     soft_punish: tuple[int | None, int | None] | None = None) -> list[RewardFunc]:
+    """The reward functions for config names: built-in (REWARDS), "module:function" of your own, or
+    a reward model's checkpoint directory, which `load_reward_model` loads (setup passes
+    reward_model.RewardModel.load with the run's device and dtype). `answer_column`: the dataset
+    column with the reference answers, which `accuracy` compares with; `soft_punish`: (L_max,
+    L_cache) of `soft_overlong_punishment` (loss.soft_punish_max_completion_len, loss.soft_punish_cache)."""
     funcs = []
     for name in names:
         if ":" in name:
@@ -304,9 +313,12 @@ def get_reward_funcs(names: list[str], answer_column: str = "answer",
             funcs.append(REWARDS[name](*soft_punish))
         elif name in REWARDS:
             funcs.append(REWARDS[name])
+        elif load_reward_model is not None and Path(name).is_dir():
+            funcs.append(load_reward_model(name))
         else:
             raise ValueError(f"unknown reward {name!r} in loss.reward_funcs; built-in rewards are "
-                             f"{', '.join(REWARDS)}, or give your own as 'module:function'")
+                             f"{', '.join(REWARDS)}, or give your own as 'module:function', or a reward model's "
+                             f"checkpoint directory")
     return funcs
 
 

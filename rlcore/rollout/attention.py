@@ -19,10 +19,10 @@ from rlcore import cuda
 
 def decode_attention_twin(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor,
                           end: torch.Tensor) -> torch.Tensor:
-    """q `[B, Hq, 1, D]` against k, v `[B, Hkv, S, D]` over slots start..end-1 of each row
+    """q `[B, Hq, 1, D]` against k, v `[B, Hkv, slots, D]` over slots start..end-1 of each row
     (`[B]` long each); query head h reads kv head h // (Hq / Hkv). Returns `[B, Hq, 1, D]`."""
     slot = torch.arange(k.shape[2], device=q.device)
-    mask = (slot >= start[:, None]) & (slot < end[:, None])  # [B, S]
+    mask = (slot >= start[:, None]) & (slot < end[:, None])  # [B, slots]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None],
                                           enable_gqa=k.shape[1] != q.shape[1])
 

@@ -1,14 +1,22 @@
 """The rollout engine: G sampled completions per prompt in one batched, cached decoding run.
 
-    prefill          each distinct prompt once, left-padded so every prompt ends at slot T-1
-    (expand)         copy each prompt's keys/values to its G rows of the static cache (in generate)
-    decode_one_token the static step: one token for every row of the batch, fixed shapes, state
-                     in device tensors updated in place, no host sync (graphs.py captures it in a
-                     CUDA graph per batch size; on CPU `PackedDecoder` in packed.py is faster)
-    generate         the loop: stretches of CHECK_EVERY steps, each ended by one host sync that
-                     stops the loop or compacts the batch
-    continue_turns   multi-turn only: after a step, append ids (tool results, the next assistant
-                     header) to the rows whose turn just ended; the steps feed them as forced tokens
+`generate` is the driver; the stages it calls, in order:
+
+    prefill_rows       `prefill` each distinct prompt once, left-padded so every prompt ends at
+                       slot T-1, then copy its keys/values to its G rows of the static cache
+    start_decoding     the `Batch` of all N rows and the rollout's `Decoding` (decoding.py)
+    sample_and_record  token 0 from the prefill's logits (and every later token: sample it,
+                       write it to the outputs, mark the rows it stops)
+    step_function      the step for a batch: `packed_step` (PackedDecoder, packed.py) on CPU;
+                       elsewhere `static_step`, `decode_one_token` with fixed shapes, its state in
+                       device tensors updated in place and no host sync, which graphs.py captures
+                       in a CUDA graph per batch size
+    (the loop)         stretches of CHECK_EVERY steps, each ended by one host sync that stops the
+                       loop or `compact`s the batch to `compacted_size`, with a new step for it
+    continue_turns     multi-turn only (multi_turn.py): after a step, append ids (tool results, the next
+                       assistant header) to the rows whose turn just ended; the steps feed them as
+                       forced tokens
+    collect_rollout    the outputs as a `Rollout` (decoding.py)
 
 Cache layout: plain tensors `[L, B, H_kv, T + max_new_tokens - 1, D]`. Prompts are left-padded
 to T, so completion token t of every row is fed at the same slot T + t; a row's RoPE positions
@@ -32,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -43,33 +50,12 @@ from rlcore.models.transformer import KVCache, Transformer, apply_rope, padded_c
 from rlcore.rollout.attention import decode_attention
 from rlcore.rollout.graphs import CapturedStep
 from rlcore.rollout.packed import PackedDecoder
-from rlcore.rollout.sampling import check_sampling_args, reports_full_logprobs, sample, sampling_key, uniforms
+from rlcore.rollout.sampling import check_sampling_args, sample, uniforms
+from rlcore.rollout.decoding import Batch, Decoding, Rollout, collect_rollout, compact, start_decoding
+from rlcore.rollout.multi_turn import EndOfTurn, continue_turns
 
 CHECK_EVERY = 8         # steps between "are all rows done?" checks (each one is a host sync)
 COMPACT_FRACTION = 8    # compact when at least 1/COMPACT_FRACTION of the batch has finished
-
-
-@dataclass
-class Rollout:
-    """N = len(prompts) * G rows, prompt-major: the G samples of a prompt are contiguous.
-
-    T = the longest completion (at most max_new_tokens); rows are right-padded to it.
-    """
-
-    prompt_ids: list[list[int]]       # the prompt of each row, N lists
-    completion_ids: torch.Tensor      # [N, T] long, pad_token_id after the end
-    completion_mask: torch.Tensor     # [N, T] long, 1 up to and including EOS / the stop sequence
-    lengths: torch.Tensor             # [N] long, completion_mask.sum(1)
-    truncated: torch.Tensor           # [N] bool, hit max_new_tokens without EOS / stop sequence
-    sampling_logprobs: torch.Tensor   # [N, T] fp32, log-prob under the distribution sampled from
-    full_logprobs: torch.Tensor | None  # [N, T] fp32, under the full distribution; only with a filter
-    tool_mask: torch.Tensor | None = None  # [N, T] long, 0 on ids appended after a turn; only with end_of_turn
-
-
-EndOfTurn = Callable[[int, list[int]], list[int] | None]
-"""`end_of_turn(row, completion_ids)`: called on the host for global row `row` whose turn just
-ended (EOS or a stop sequence, the last of `completion_ids`, its completion so far); returns the
-ids to append (the tool results and the next assistant header), or None to let the row stop."""
 
 
 def use_packed_decoder(device: torch.device) -> bool:
@@ -152,73 +138,33 @@ def stop_hits(recent: torch.Tensor, eos: torch.Tensor,
     return hit
 
 
-@dataclass
-class Batch:
-    """The rows a stretch of decoding steps runs on. Every tensor keeps its shape for the stretch
-    and each step updates it in place (a CUDA graph replays on fixed addresses). Finished rows
-    stay, masked; padding rows (global row N, a scratch row of the outputs) fill a bucket."""
-
-    cache: KVCache             # [L, B, H_kv, S, D]
-    rows: torch.Tensor         # [B] long, each row's global row
-    tokens: torch.Tensor       # [B] long, the token sampled last, fed next
-    positions: torch.Tensor    # [B] long, its RoPE position
-    start: torch.Tensor        # [B] long, the row's first real slot (left padding before it)
-    step: torch.Tensor         # [] long, the completion index of `tokens`, the same for every row
-    done: torch.Tensor         # [B] bool, stopped (or padding)
-    recent: torch.Tensor       # [B, W] long, the row's last W tokens, for stop sequences
-    seen: torch.Tensor | None  # [B, V] bool, the tokens in each row, for the repetition penalty
-
-
-@dataclass
-class Decoding:
-    """What every step of one rollout reads and does not change, and the outputs it writes
-    (`[N + 1, max_new_tokens]`, by global row; row N takes the padding rows' writes)."""
-
-    prompt_width: int          # T: token t of every completion is fed at slot T + t
-    head: torch.Tensor         # [V, H] the output projection in the rollout's dtype
-    key: torch.Tensor          # [2] long, the sampling key (sampling.uniforms)
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    repetition_penalty: float
-    eos: torch.Tensor          # [E] long
-    stops: list[torch.Tensor]  # stop sequences
-    pad: int
-    completion: torch.Tensor   # long, pad after the end
-    written: torch.Tensor      # bool: the completion mask
-    sampling_logprobs: torch.Tensor
-    full_logprobs: torch.Tensor | None
-    stopped: torch.Tensor      # [N + 1] bool
-    forced: torch.Tensor | None = None  # [N + 1, max_new_tokens] long: an id appended after a turn, else -1
-
-
-def sample_and_record(logits: torch.Tensor, batch: Batch, run: Decoding) -> None:
+def sample_and_record(logits: torch.Tensor, batch: Batch, decoding: Decoding) -> None:
     """Sample token `batch.step` of every row from fp32 logits `[B, V]`, write it to the outputs
     and update the batch: tokens, done, recent, seen. Finished rows get pad, written as not real."""
-    tok, lp, flp = sample(logits, run.temperature, run.top_k, run.top_p, run.min_p,
-                          uniforms(run.key, batch.rows, batch.step), run.repetition_penalty, batch.seen)
-    tok = tok.masked_fill(batch.done, run.pad)
-    at = (batch.rows, batch.step.expand_as(batch.rows))
-    if run.forced is not None:  # an appended id replaces the sample: the model did not choose it
-        forced = run.forced[at]
+    draws = uniforms(decoding.key, batch.rows, batch.step)  # one per row, a function of (key, row, step)
+    token, logprob, full_logprob = sample(logits, decoding.temperature, decoding.top_k, decoding.top_p,
+                                          decoding.min_p, draws, decoding.repetition_penalty, batch.seen)
+    token = token.masked_fill(batch.done, decoding.pad)
+    where = (batch.rows, batch.step.expand_as(batch.rows))  # each row's cell of the outputs
+    if decoding.forced is not None:  # an appended id replaces the sample: the model did not choose it
+        forced = decoding.forced[where]
         appended = forced >= 0
-        tok = torch.where(appended, forced, tok)
-        lp = lp.masked_fill(appended, 0.0)
-        flp = None if flp is None else flp.masked_fill(appended, 0.0)
-    run.completion.index_put_(at, tok)
-    run.written.index_put_(at, ~batch.done)
-    run.sampling_logprobs.index_put_(at, lp.masked_fill(batch.done, 0.0))
-    if run.full_logprobs is not None:
-        run.full_logprobs.index_put_(at, flp.masked_fill(batch.done, 0.0))
+        token = torch.where(appended, forced, token)
+        logprob = logprob.masked_fill(appended, 0.0)
+        full_logprob = None if full_logprob is None else full_logprob.masked_fill(appended, 0.0)
+    decoding.completion.index_put_(where, token)
+    decoding.written.index_put_(where, ~batch.done)
+    decoding.sampling_logprobs.index_put_(where, logprob.masked_fill(batch.done, 0.0))
+    if decoding.full_logprobs is not None:
+        decoding.full_logprobs.index_put_(where, full_logprob.masked_fill(batch.done, 0.0))
     if batch.seen is not None:
-        batch.seen.scatter_(1, tok[:, None], True)
-    batch.recent.copy_(torch.cat((batch.recent[:, 1:], tok[:, None]), 1))
-    if run.forced is not None:  # appended ids never stop a row, nor start a stop sequence of the next turn
+        batch.seen.scatter_(1, token[:, None], True)
+    batch.recent.copy_(torch.cat((batch.recent[:, 1:], token[:, None]), 1))
+    if decoding.forced is not None:  # appended ids never stop a row, nor start a stop sequence of the next turn
         batch.recent.masked_fill_(appended[:, None], -1)
-    batch.done |= stop_hits(batch.recent, run.eos, run.stops)
-    run.stopped.index_put_((batch.rows,), batch.done)
-    batch.tokens.copy_(tok)
+    batch.done |= stop_hits(batch.recent, decoding.eos, decoding.stops)
+    decoding.stopped.index_put_((batch.rows,), batch.done)
+    batch.tokens.copy_(token)
 
 
 def forward_one_token(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
@@ -246,75 +192,29 @@ def forward_one_token(model: Transformer, tokens: torch.Tensor, positions: torch
     return model.model.norm(x)
 
 
-def decode_one_token(model: Transformer, batch: Batch, run: Decoding) -> None:
+def decode_one_token(model: Transformer, batch: Batch, decoding: Decoding) -> None:
     """The static decoding step: feed every row's last token at slot T + step, sample the next.
 
     Shapes depend on the batch alone, all state is in device tensors updated in place, nothing
     waits on the device: a CUDA graph captures it, and torch.compile(fullgraph=True) traces it."""
-    h = forward_one_token(model, batch.tokens, batch.positions, batch.cache, run.prompt_width + batch.step,
+    h = forward_one_token(model, batch.tokens, batch.positions, batch.cache, decoding.prompt_width + batch.step,
                           batch.start)
-    logits = (h @ run.head.T).float()
+    logits = (h @ decoding.head.T).float()
     batch.positions.add_(1)
     batch.step.add_(1)
-    sample_and_record(logits, batch, run)
+    sample_and_record(logits, batch, decoding)
 
 
-def packed_one_token(packed: PackedDecoder, batch: Batch, run: Decoding, slot: int,
+def packed_one_token(packed: PackedDecoder, batch: Batch, decoding: Decoding, slot: int,
                      mask: torch.Tensor | None) -> None:
     """`decode_one_token` with PackedDecoder's forward pass (the CPU path): the batch's tokens are
     fed at `slot` (= T + batch.step, from the host) and attend over the filled slots only
-    (`mask` `[B, 1, 1, S]`, or None when no row is padded)."""
+    (`mask` `[B, 1, 1, slots]`, or None when no row is padded)."""
     view = KVCache(batch.cache.k[:, :, :, :slot + 1], batch.cache.v[:, :, :, :slot + 1])
     logits = packed(batch.tokens, batch.positions, view, None if mask is None else mask[..., :slot + 1], slot)
     batch.positions.add_(1)
     batch.step.add_(1)
-    sample_and_record(logits, batch, run)
-
-
-def compact(batch: Batch, size: int, filled: int, model: Transformer, scratch_row: int) -> Batch:
-    """A batch of `size` rows: the unfinished rows of `batch`, then padding rows (done, writing to
-    `scratch_row`). Copies the cache's `filled` slots, about the cost of one decoding step."""
-    keep = (~batch.done).nonzero()[:, 0]
-    extra = size - len(keep)
-
-    def take(x: torch.Tensor, fill) -> torch.Tensor:
-        return torch.cat((x[keep], x.new_full((extra, *x.shape[1:]), fill)))
-
-    k, v = batch.cache.k, batch.cache.v
-    cache = KVCache.empty(model.config, size, k.shape[3], k.dtype, k.device)
-    cache.k[:, :len(keep), :, :filled] = k[:, keep, :, :filled]
-    cache.v[:, :len(keep), :, :filled] = v[:, keep, :, :filled]
-    return Batch(cache, take(batch.rows, scratch_row), take(batch.tokens, 0), take(batch.positions, 0),
-                 take(batch.start, 0), batch.step.clone(), take(batch.done, True), take(batch.recent, -1),
-                 None if batch.seen is None else take(batch.seen, False))
-
-
-def continue_turns(batch: Batch, run: Decoding, step: int, was_done: torch.Tensor, end_of_turn: EndOfTurn,
-                   turns: list[int], max_turns: int | None, room: list[int]) -> None:
-    """After token `step` of every row is sampled: each row it stopped (done now, not in `was_done`)
-    whose appends so far (`turns[row]`) are fewer than `max_turns` (None: no limit) gets
-    `end_of_turn`'s ids queued as its next tokens and decodes on; `turns[row]` counts them. Ids that
-    do not fit in max_new_tokens, or that would take the row to the `room[row]` positions its prompt
-    leaves in the model's max_position_embeddings, are dropped and the row stops, as TRL drops such
-    tool results (after running the calls). One host sync per step, to find the rows, and one per
-    row whose turn ended."""
-    ended = (batch.done & ~was_done).nonzero()[:, 0]
-    if len(ended) == 0:
-        return
-    max_new_tokens = run.completion.shape[1]
-    for i, row in zip(ended.tolist(), batch.rows[ended].tolist()):
-        if max_turns is not None and turns[row] >= max_turns:
-            continue
-        ids = end_of_turn(row, run.completion[row, :step + 1].tolist())
-        if not ids or step + 1 + len(ids) > max_new_tokens or step + 1 + len(ids) >= room[row]:
-            continue
-        if min(ids) < 0:
-            raise ValueError(f"end_of_turn returned a negative token id for row {row} ({min(ids)}); return the ids of "
-                             f"the text to append, as the tokenizer encodes it")
-        run.forced[row, step + 1:step + 1 + len(ids)] = torch.tensor(ids, device=run.forced.device)
-        batch.done[i] = False
-        run.stopped[row] = False
-        turns[row] += 1
+    sample_and_record(logits, batch, decoding)
 
 
 def bucket(rows: int) -> int:
@@ -326,6 +226,116 @@ def bucket(rows: int) -> int:
 def cuda_graphs_enabled() -> bool:
     """RLCORE_CUDA_GRAPHS=0 runs the static step eagerly on CUDA (for debugging and profiling)."""
     return os.environ.get("RLCORE_CUDA_GRAPHS", "1") != "0"
+
+
+def check_generate_args(prompts: list[list[int]], num_generations: int, max_new_tokens: int,
+                        stop_sequences: list[list[int]], end_of_turn: EndOfTurn | None,
+                        max_turns: int | None) -> None:
+    """`generate`'s checks beyond the sampling options' (sampling.check_sampling_args), before any work."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token (got an empty prompt list or prompt)")
+    if num_generations < 1 or max_new_tokens < 1:
+        raise ValueError(f"num_generations and max_new_tokens must be >= 1, got "
+                         f"{num_generations} and {max_new_tokens}")
+    if any(len(s) == 0 for s in stop_sequences):
+        raise ValueError("stop_sequences must not contain an empty sequence")
+    if max_turns is not None and (end_of_turn is None or max_turns < 0):
+        raise ValueError(f"max_turns={max_turns} needs end_of_turn (the ids to append after a turn) and must be >= 0")
+
+
+def compute_dtype(model: Transformer, dtype: torch.dtype | None) -> torch.dtype:
+    """The rollout's compute dtype: `dtype`, or the model's when None. Autocast only narrows, so a
+    wider one is an error."""
+    dtype = dtype or model.lm_head_weight.dtype
+    if dtype.itemsize > model.lm_head_weight.dtype.itemsize:
+        raise ValueError(f"dtype {dtype} is wider than the model's {model.lm_head_weight.dtype}: autocast only "
+                         f"narrows; load the model in {dtype} instead")
+    return dtype
+
+
+def static_step_weights(model: Transformer, dtype: torch.dtype,
+                        packed: bool) -> contextlib.AbstractContextManager:
+    """`matmul_weights_in(model, dtype)` where it changes what the static step multiplies (`dtype`
+    narrower than the model's, or LoRA layers to merge); a no-op context otherwise, and for the
+    packed step, which keeps its own `dtype` copies of the weights."""
+    merge = dtype != model.lm_head_weight.dtype or any(isinstance(m, LoraLinear) for m in model.modules())
+    return matmul_weights_in(model, dtype) if merge and not packed else contextlib.nullcontext()
+
+
+def distinct_prompts(prompts: list[list[int]], G: int,
+                     device: torch.device) -> tuple[list[list[int]], torch.Tensor]:
+    """The prompts without repeats (in order of first appearance), and `which` `[N]` long: for each
+    of the N = len(prompts) * G rows, prompt-major, the index of its prompt among them."""
+    index: dict[tuple[int, ...], int] = {}  # prompt -> its row in the prefill batch
+    for p in prompts:
+        index.setdefault(tuple(p), len(index))
+    which = torch.tensor([index[tuple(p)] for p in prompts for _ in range(G)], device=device)
+    return [list(p) for p in index], which
+
+
+def prefill_rows(model: Transformer, distinct: list[list[int]], which: torch.Tensor, max_new_tokens: int,
+                 dtype: torch.dtype) -> tuple[KVCache, torch.Tensor]:
+    """Prefill each distinct prompt once, then copy its keys/values to its rows (`which` `[N]`) of a
+    static cache with room for the completions.
+
+    Returns that cache `[L, N, H_kv, T + max_new_tokens - 1, D]` (T = the longest prompt) and the
+    prefill's fp32 logits `[P, V]`, one row per distinct prompt (`logits[which]` is row order)."""
+    prompt_cache, first_logits = prefill(model, distinct, dtype)
+    if not bool(torch.isfinite(first_logits).all()):  # one sync per rollout; NaN logits would sample id V
+        raise FloatingPointError("the model's logits are not finite (NaN or inf) after the prompts: its weights or "
+                                 "activations overflowed; if training diverged, lower train.learning_rate and "
+                                 "start again from the model or an earlier checkpoint")
+    T = prompt_cache.k.shape[3]
+    cache = KVCache.empty(model.config, len(which), T + max_new_tokens - 1, prompt_cache.k.dtype,
+                          model.inv_freq.device)
+    cache.k[:, :, :, :T] = prompt_cache.k[:, which]
+    cache.v[:, :, :, :T] = prompt_cache.v[:, which]
+    return cache, first_logits
+
+
+def packed_step(packed: PackedDecoder, batch: Batch, decoding: Decoding, padded: bool) -> Callable[[int], None]:
+    """The CPU step on `batch`: `step(t)` feeds token t - 1 of every row at slot T + t - 1 and samples
+    token t. With `padded` (some prompt is shorter than T), a mask `[B, 1, 1, slots]` keeps each
+    row's left padding out, built once per batch; without, the step needs none."""
+    mask = None
+    if padded:
+        slots = torch.arange(batch.cache.k.shape[3], device=batch.cache.k.device)
+        mask = (slots >= batch.start[:, None])[:, None, None]
+    return lambda t: packed_one_token(packed, batch, decoding, decoding.prompt_width + t - 1, mask)
+
+
+def static_step(model: Transformer, batch: Batch, decoding: Decoding, dtype: torch.dtype) -> Callable[[int], None]:
+    """The static step on `batch`: `decode_one_token` under autocast to `dtype`, on CUDA captured in
+    a CUDA graph (graphs.CapturedStep) unless RLCORE_CUDA_GRAPHS=0. `step(t)` does not read t: the
+    step counter is a device tensor, which a graph replay can advance."""
+    device = batch.cache.k.device
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != model.lm_head_weight.dtype,
+                              cache_enabled=False)
+
+    def step() -> None:
+        with autocast, decoding_attention(device):
+            decode_one_token(model, batch, decoding)
+
+    captured = CapturedStep(step) if device.type == "cuda" and cuda_graphs_enabled() else step
+    return lambda t: captured()
+
+
+def step_function(model: Transformer, batch: Batch, decoding: Decoding, dtype: torch.dtype,
+                  packed: PackedDecoder | None, padded: bool) -> Callable[[int], None]:
+    """`step(t)`: feed token t - 1 of every row of `batch`, sample and record token t. The packed
+    step when there is a `packed` decoder (CPU), the static step otherwise. One per batch: a
+    compaction makes a new batch, which needs a new step (and on CUDA, a new graph)."""
+    if packed is not None:
+        return packed_step(packed, batch, decoding, padded)
+    return static_step(model, batch, decoding, dtype)
+
+
+def compacted_size(rows: int, live: int, packed: bool) -> int | None:
+    """The size to compact a batch of `rows` rows, `live` of them unfinished, to; None to keep it.
+    Compact once 1/COMPACT_FRACTION of the batch has finished: to `live` rows for the packed step,
+    to the next power of two for the static one (a CUDA graph is captured per size)."""
+    size = live if packed else bucket(live)
+    return size if (rows - live) * COMPACT_FRACTION >= rows and size < rows else None
 
 
 @torch.no_grad()
@@ -368,93 +378,27 @@ def generate(
     host sync per step (on a GPU the host no longer runs ahead of the device).
     """
     check_sampling_args(temperature, top_k, top_p, min_p, repetition_penalty)
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token (got an empty prompt list or prompt)")
-    if num_generations < 1 or max_new_tokens < 1:
-        raise ValueError(f"num_generations and max_new_tokens must be >= 1, got "
-                         f"{num_generations} and {max_new_tokens}")
-    if any(len(s) == 0 for s in stop_sequences):
-        raise ValueError("stop_sequences must not contain an empty sequence")
-    if max_turns is not None and (end_of_turn is None or max_turns < 0):
-        raise ValueError(f"max_turns={max_turns} needs end_of_turn (the ids to append after a turn) and must be >= 0")
-    device = model.inv_freq.device
-    G, N = num_generations, len(prompts) * num_generations
-
-    # Prefill each distinct prompt once, then copy its keys/values to its G rows.
-    distinct: dict[tuple[int, ...], int] = {}  # prompt -> its row in the prefill batch
-    for p in prompts:
-        distinct.setdefault(tuple(p), len(distinct))
-    which = torch.tensor([distinct[tuple(p)] for p in prompts for _ in range(G)], device=device)
-    dtype = dtype or model.lm_head_weight.dtype
-    if dtype.itemsize > model.lm_head_weight.dtype.itemsize:
-        raise ValueError(f"dtype {dtype} is wider than the model's {model.lm_head_weight.dtype}: autocast only "
-                         f"narrows; load the model in {dtype} instead")
-    narrowing = dtype != model.lm_head_weight.dtype
-    use_packed = use_packed_decoder(device)  # on CPU: it keeps `dtype` copies of the weights itself
-    merge = narrowing or any(isinstance(m, LoraLinear) for m in model.modules())
-    weights = matmul_weights_in(model, dtype) if merge and not use_packed else contextlib.nullcontext()
-    with weights:
-        prompt_cache, first_logits = prefill(model, [list(p) for p in distinct], dtype)
-        if not bool(torch.isfinite(first_logits).all()):  # one sync per rollout; NaN logits would sample id V
-            raise FloatingPointError("the model's logits are not finite (NaN or inf) after the prompts: its weights or "
-                                     "activations overflowed; if training diverged, lower train.learning_rate and "
-                                     "start again from the model or an earlier checkpoint")
-        T = prompt_cache.k.shape[3]
-        cache = KVCache.empty(model.config, N, T + max_new_tokens - 1, prompt_cache.k.dtype, device)
-        cache.k[:, :, :, :T] = prompt_cache.k[:, which]
-        cache.v[:, :, :, :T] = prompt_cache.v[:, which]
-        del prompt_cache
-        prompt_len = torch.tensor([len(p) for p in distinct], device=device)[which]
-        seen = None  # [N, V] bool: the tokens already in each row, for the repetition penalty
-        if repetition_penalty != 1.0:
-            seen = torch.zeros(len(distinct), first_logits.shape[-1], dtype=torch.bool, device=device)
-            for i, p in enumerate(distinct):
-                seen[i, torch.tensor(p, device=device)] = True
-            seen = seen[which]
-        longest_stop = max([1] + [len(s) for s in stop_sequences])
-        long = dict(dtype=torch.long, device=device)
-        batch = Batch(cache, rows=torch.arange(N, **long), tokens=torch.zeros(N, **long), positions=prompt_len.clone(),
-                      start=T - prompt_len, step=torch.zeros((), **long),
-                      done=torch.zeros(N, dtype=torch.bool, device=device),
-                      recent=torch.full((N, longest_stop), -1, **long), seen=seen)
-        outputs = torch.full((N + 1, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-        full = reports_full_logprobs(temperature, top_k, top_p, min_p, repetition_penalty)
-        run = Decoding(
-            prompt_width=T, head=model.lm_head_weight.to(dtype),
-            key=sampling_key(generator, device) if temperature > 0 else torch.zeros(2, **long),  # greedy draws nothing
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-            eos=torch.tensor(list(eos_token_ids), **long), stops=[torch.tensor(s, **long) for s in stop_sequences],
-            pad=pad_token_id,
-            completion=outputs, written=torch.zeros_like(outputs, dtype=torch.bool),
-            sampling_logprobs=torch.zeros_like(outputs, dtype=torch.float32),
-            full_logprobs=torch.zeros_like(outputs, dtype=torch.float32) if full else None,
-            stopped=torch.zeros(N + 1, dtype=torch.bool, device=device),
-            forced=torch.full_like(outputs, -1) if end_of_turn is not None else None)
-        turns = [0] * N  # the times ids were appended to each row, for max_turns
-        room = [model.config.max_position_embeddings - len(prompts[row // G]) for row in range(N)]
-        sample_and_record(first_logits[which], batch, run)
+    check_generate_args(prompts, num_generations, max_new_tokens, stop_sequences, end_of_turn, max_turns)
+    device, G, N = model.inv_freq.device, num_generations, len(prompts) * num_generations
+    dtype = compute_dtype(model, dtype)
+    use_packed = use_packed_decoder(device)
+    distinct, which = distinct_prompts(prompts, G, device)
+    with static_step_weights(model, dtype, use_packed):
+        cache, first_logits = prefill_rows(model, distinct, which, max_new_tokens, dtype)
+        batch, decoding = start_decoding(
+            model, cache, distinct, which, max_new_tokens, dtype, temperature=temperature, top_k=top_k, top_p=top_p,
+            min_p=min_p, repetition_penalty=repetition_penalty, eos_token_ids=eos_token_ids,
+            stop_sequences=stop_sequences, pad_token_id=pad_token_id, generator=generator,
+            multi_turn=end_of_turn is not None)
+        turn_counts = [0] * N  # the times ids were appended to each row, for max_turns
+        room = [model.config.max_position_embeddings - len(p) for p in prompts for _ in range(G)]
+        sample_and_record(first_logits[which], batch, decoding)  # token 0, from the prefill's logits
         if end_of_turn is not None:
-            continue_turns(batch, run, 0, torch.zeros_like(batch.done), end_of_turn, turns, max_turns, room)
+            continue_turns(batch, decoding, 0, torch.zeros_like(batch.done), end_of_turn, turn_counts, max_turns, room)
 
         packed = PackedDecoder(model, N, dtype) if use_packed else None
-        padding = use_packed and bool((batch.start > 0).any())  # else a packed step needs no mask at all
-        autocast = torch.autocast(device.type, dtype=dtype, enabled=narrowing, cache_enabled=False)
-
-        def stepper(batch: Batch) -> Callable[[int], None]:
-            """`stepper(batch)(t)` feeds token t - 1 of every row of `batch` and samples token t."""
-            if packed is not None:
-                slots = torch.arange(batch.cache.k.shape[3], device=device)
-                mask = (slots >= batch.start[:, None])[:, None, None] if padding else None
-                return lambda t: packed_one_token(packed, batch, run, T + t - 1, mask)
-
-            def step() -> None:
-                with autocast, decoding_attention(device):
-                    decode_one_token(model, batch, run)
-
-            captured = CapturedStep(step) if device.type == "cuda" and cuda_graphs_enabled() else step
-            return lambda t: captured()
-
-        step = stepper(batch)
+        padded = use_packed and bool((batch.start > 0).any())  # else a packed step needs no mask at all
+        step = step_function(model, batch, decoding, dtype, packed, padded)
         for t in range(1, max_new_tokens):
             if t % CHECK_EVERY == 0:
                 live = int((~batch.done).sum())  # host sync, once every CHECK_EVERY steps
@@ -462,30 +406,14 @@ def generate(
                     progress(t, N - live)
                 if live == 0:
                     break
-                B = len(batch.rows)
-                size = live if packed is not None else bucket(live)
-                if (B - live) * COMPACT_FRACTION >= B and size < B:
-                    # Drop finished rows; copying the cache's filled part is cheaper than decoding them.
-                    batch = compact(batch, size, T + t - 1, model, scratch_row=N)
+                size = compacted_size(len(batch.rows), live, packed is not None)
+                if size is not None:  # copying the cache's filled part is cheaper than decoding finished rows
+                    batch = compact(batch, size, decoding.prompt_width + t - 1, model, scratch_row=N)
                     if packed is not None:
                         packed.repack(size)
-                    step = stepper(batch)
-            if end_of_turn is None:
-                step(t)
-            else:
-                was_done = batch.done.clone()
-                step(t)
-                continue_turns(batch, run, t, was_done, end_of_turn, turns, max_turns, room)
-
-    lengths = run.written[:N].sum(1)
-    width = int(lengths.max())
-    return Rollout(
-        prompt_ids=[list(p) for p in prompts for _ in range(G)],
-        completion_ids=run.completion[:N, :width].contiguous(),
-        completion_mask=run.written[:N, :width].long(),
-        lengths=lengths,
-        truncated=~run.stopped[:N],
-        sampling_logprobs=run.sampling_logprobs[:N, :width].contiguous(),
-        full_logprobs=run.full_logprobs[:N, :width].contiguous() if full else None,
-        tool_mask=(run.forced[:N, :width] < 0).long() if end_of_turn is not None else None,
-    )
+                    step = step_function(model, batch, decoding, dtype, packed, padded)
+            was_done = None if end_of_turn is None else batch.done.clone()
+            step(t)
+            if end_of_turn is not None:
+                continue_turns(batch, decoding, t, was_done, end_of_turn, turn_counts, max_turns, room)
+    return collect_rollout(decoding, prompts, G)

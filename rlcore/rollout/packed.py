@@ -50,29 +50,29 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, batch: int) -> 
 
 def _one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          mask: torch.Tensor | None) -> torch.Tensor:
-    """Attention of one query per row, q `[B, nh, 1, d]`, over k, v `[B, nkv, S, d]` (a view of
-    the cache), under bool `mask` `[B, 1, 1, S]` (padding) or None; no causal structure to
+    """Attention of one query per row, q `[B, nh, 1, d]`, over k, v `[B, nkv, slots, d]` (a view
+    of the cache), under bool `mask` `[B, 1, 1, slots]` (padding) or None; no causal structure to
     impose. Query head h reads kv head h // (nh / nkv), as SDPA's enable_gqa. Two batched
     matmuls over the B * nkv groups of nh / nkv query heads: in fp32 faster than SDPA's CPU flash
     kernel, which is built for many queries; in bf16 slower, so SDPA runs there.
     """
     B, nh, _, d = q.shape
-    nkv, S = k.shape[1], k.shape[2]
+    nkv, slots = k.shape[1], k.shape[2]
     if q.dtype != torch.float32:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nkv != nh)
     scores = torch.bmm(q.reshape(B * nkv, nh // nkv, d) * d ** -0.5,
-                       k.reshape(B * nkv, S, d).transpose(1, 2))  # [B * nkv, nh / nkv, S]
+                       k.reshape(B * nkv, slots, d).transpose(1, 2))  # [B * nkv, nh / nkv, slots]
     if mask is not None:
-        scores.view(B, nkv, nh // nkv, S).masked_fill_(~mask, float("-inf"))
+        scores.view(B, nkv, nh // nkv, slots).masked_fill_(~mask, float("-inf"))
     probs = scores.float().softmax(-1).to(v.dtype)
-    return torch.bmm(probs, v.reshape(B * nkv, S, d)).view(B, nh, 1, d)
+    return torch.bmm(probs, v.reshape(B * nkv, slots, d)).view(B, nh, 1, d)
 
 
 class PackedDecoder:
     """`decoder(tokens, positions, cache, mask, slot)` -> fp32 logits `[B, V]`.
 
     Same contract as `rlcore.rollout.engine.decode_one_token` (all rows write at cache slot
-    `slot`; `cache` covers slots 0..slot), except that `mask` `[B, 1, 1, S]` may be None when no
+    `slot`; `cache` covers slots 0..slot), except that `mask` `[B, 1, 1, slots]` may be None when no
     row has padding. Build it from the model as it is for this rollout: it copies the weights,
     so later updates to the model do not reach it. `dtype` (default: the model's) is the dtype
     of those copies and of the whole step, e.g. bf16 for an fp32 model trained under bf16

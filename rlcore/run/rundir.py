@@ -1,20 +1,22 @@
 """A run directory and the run's life in it: `RunDir`.
 
     config.toml          the run's configuration (RUN_CONFIG_HEADER, then `# ranks = P`)
-    metrics.jsonl        one row per optimizer step (steplog.py builds them)
-    eval.jsonl           the held-out evaluations, step 0 = before training
+    metrics.jsonl        one row per optimizer step (steplog.py builds them), and to the trackers
+    eval.jsonl           the held-out evaluations, step 0 = before training, and to the trackers
     completions.jsonl    every completion of each round (train.log_completions)
     latest, checkpoint-<step>/   the newest checkpoints (checkpoints.py)
 
 A new run checks that the directory holds nothing of another run, then writes its config.toml
 once every input has loaded. A `--resume` continues from `latest`: the same model, the same rank
 count (a sharded checkpoint: any), the optimizer, schedule and RunState as saved, and the run's
-files cut back to the checkpoint's step. Rank 0 writes; every rank calls `save`.
+files cut back to the checkpoint's step. Rank 0 writes, and reports to the trackers of
+train.report_to (tracking.py) what it writes; every rank calls `save`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -38,6 +40,7 @@ from rlcore.run.checkpoints import (
     save_sharded_checkpoint,
 )
 from rlcore.run.state import RunState, has_state
+from rlcore.run.tracking import Trackers
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -68,6 +71,7 @@ class RunDir:
         self.config_toml = self.path / "config.toml"
         self.metrics_file, self.eval_file = self.path / "metrics.jsonl", self.path / "eval.jsonl"
         self.completions_file = self.path / "completions.jsonl"
+        self.trackers = Trackers({})  # train.report_to's, once `create` has started them
 
     def __str__(self) -> str:
         return str(self.path)
@@ -105,7 +109,8 @@ class RunDir:
 
     def create(self, cfg: Config, world: int) -> None:
         """Make the directory and write the run's config.toml, its paths absolute so that a --resume
-        from another directory finds the model and data (rank 0; a crash leaves the previous one)."""
+        from another directory finds the model and data (rank 0; a crash leaves the previous one);
+        then start the trackers' run, or on a --resume continue it, with that config."""
         if not self.main:
             return
         try:
@@ -113,9 +118,13 @@ class RunDir:
         except OSError as e:
             raise OSError(f"train.output_dir = {str(self.path)!r} cannot be created ({e.strerror or e}); give a "
                           f"directory you can write to, e.g. --set train.output_dir=runs/my-run") from e
-        tmp = self.path / "config.toml.tmp"
-        tmp.write_text(RUN_CONFIG_HEADER + f"# ranks = {world}\n" + dump_config(with_absolute_paths(cfg)))
+        tmp, recorded = self.path / "config.toml.tmp", with_absolute_paths(cfg)
+        toml = dump_config(recorded)
+        tmp.write_text(RUN_CONFIG_HEADER + f"# ranks = {world}\n" + toml)
         os.replace(tmp, self.config_toml)
+        train_cfg = cfg.train
+        self.trackers = Trackers.open(train_cfg.report_to, self.path, train_cfg.run_name or self.path.resolve().name,
+                                      dataclasses.asdict(recorded), toml, train_cfg.project, self.saved_step)
 
     def start(self, state: RunState, baseline: dict, no_accuracy: str) -> None:
         """Begin the run's files afresh with the evaluation before training, `baseline`, whose
@@ -318,25 +327,32 @@ class RunDir:
     # ---------------------------------------------------------------- what a run records
 
     def write_row(self, row: dict) -> None:
-        """Append a metrics row to metrics.jsonl as one line of strict JSON (NaN and inf as null)."""
+        """Append a metrics row to metrics.jsonl as one line of strict JSON (NaN and inf as null),
+        then give it to the trackers."""
         if self.main:
+            row = {key: None if isinstance(v, float) and not math.isfinite(v) else v for key, v in row.items()}
             with open(self.metrics_file, "a") as f:
-                f.write(json.dumps({key: None if isinstance(v, float) and not math.isfinite(v) else v
-                                    for key, v in row.items()}) + "\n")
+                f.write(json.dumps(row) + "\n")
+            self.trackers.log({key: v for key, v in row.items() if key != "step"}, row["step"])
 
     def record_eval(self, step: int, evaluation: dict) -> None:
         """Append an evaluation's metrics at `step` to eval.jsonl (step 0 = before training), those
-        that are not None, and print the accuracy, reward and tool use; nothing when all are None
-        (no held-out prompt could be scored)."""
+        that are not None, give them to the trackers, and print the accuracy, reward and tool use;
+        nothing when all are None (no held-out prompt could be scored)."""
         row = {key: value for key, value in evaluation.items() if value is not None}
         if not self.main or not row:
             return
         with open(self.eval_file, "a") as f:
             f.write(json.dumps({"step": step, **row}) + "\n")
+        self.trackers.log(row, step)
         said = [f"{what} {row[key]:.3f}" for what, key in (("accuracy", "eval/accuracy"),
                                                            ("reward", "eval/reward/mean"),
                                                            ("tool use", "eval/tools/used_frac")) if key in row]
         print(f"step {step}: held-out " + ", ".join(said), flush=True)
+
+    def close(self) -> None:
+        """The trackers' last writes, once the run has ended."""
+        self.trackers.close()
 
     def log_completions(self, step: int, texts: list, rewards: torch.Tensor, advantages: torch.Tensor,
                         lengths: torch.Tensor, names: list[str], show: int | None) -> None:

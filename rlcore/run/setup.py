@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import math
 import os
 import warnings
@@ -31,9 +32,11 @@ from rlcore.models.lora import apply_lora, keep_as_reference, load_adapter, refe
 from rlcore.models.tokenizer import Tokenizer, check_vocab_fits
 from rlcore.models.transformer import Transformer, weight_layout_difference
 from rlcore.parallel import collectives, fsdp
+from rlcore.rewards.reward_model import RewardModel
 from rlcore.rewards.scoring import REWARD_EXTRAS, check_reward_funcs, dataset_columns, get_reward_funcs
 from rlcore.run.checkpoints import load_resumed_model, way_back
 from rlcore.run.rundir import RunDir
+from rlcore.run.tracking import check_installed
 from rlcore.tools.calls import tool_call_format
 from rlcore.tools.toolbox import Toolbox, load_environment_factory, load_tool, reset_environment
 from rlcore.tools.turns import ToolTurns, is_prefix_preserving, tool_suffix_ids, training_chat_template
@@ -304,12 +307,18 @@ def setup(cfg: Config, resume: str | os.PathLike | RunDir | None = None) -> Run:
         run_dir.check_new()
     if resume:
         run_dir.check_resumed(cfg)
+    if main:  # rank 0 reports to train.report_to's trackers (run_dir.create starts them)
+        check_installed(train_cfg.report_to)
     torch.manual_seed(train_cfg.seed)
 
     # Data and reward functions (checked before a model loads), model, tokenizer.
     train_set, eval_set = load_examples(cfg.data)
     answer_column = cfg.data.answer_column if cfg.data.task == "jsonl" else "answer"  # synthetic tasks': answer
-    reward_funcs = get_reward_funcs(loss_cfg.reward_funcs, answer_column,
+    load_reward_model = functools.partial(  # a reward_funcs entry that is a reward model's directory
+        RewardModel.load, device=device, dtype=cfg.model.dtype, batch_size=loss_cfg.reward_model_batch_size,
+        chat_template_kwargs=cfg.data.chat_template_kwargs,
+        conversational=any(isinstance(ex["prompt"], list) for ex in train_set + eval_set))
+    reward_funcs = get_reward_funcs(loss_cfg.reward_funcs, answer_column, load_reward_model,
                                     (loss_cfg.soft_punish_max_completion_len, loss_cfg.soft_punish_cache))
     columns = dataset_columns(train_set)  # passed to every reward call, None where a row lacks one
     environments = ["environments"] if cfg.rollout.environment_factory else []  # TRL passes them to every call
@@ -320,7 +329,13 @@ def setup(cfg: Config, resume: str | os.PathLike | RunDir | None = None) -> Run:
     check_model_dir(model_dir)  # before its tokenizer: an rlcore checkpoint or a LoRA adapter is named as such
     tok = Tokenizer.from_dir(model_dir)
     toolbox = load_toolbox(rollout_cfg, tok, model_dir, main)  # before a model loads, as the reward functions
-    reward_names, reward_weights = list(loss_cfg.reward_funcs), loss_cfg.reward_weights
+    reward_names = [fn.__name__ if isinstance(fn, RewardModel) else name  # a reward model's: its directory's name
+                    for fn, name in zip(reward_funcs, loss_cfg.reward_funcs)]
+    if twice := sorted({name for name in reward_names if reward_names.count(name) > 1}):
+        raise ValueError(f"loss.reward_funcs = {loss_cfg.reward_funcs} names {twice[0]!r} twice (a reward model is "
+                         f"named after its directory, as in TRL), and the metrics are keyed by name: rename the "
+                         f"reward model's directory")
+    reward_weights = loss_cfg.reward_weights
     if toolbox and toolbox.reward_name:  # an environment that scores its rollouts is one more reward (TRL)
         reward_funcs.append(toolbox.get_reward)
         reward_names.append(toolbox.reward_name)
