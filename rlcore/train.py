@@ -3,7 +3,8 @@
     for each round:
         rollout      G completions for each of b*S*P/G prompts      (rlcore.rollout)
         rewards      reward functions -> R[N, F]                        (rlcore.rewards.scoring)
-        (dynamic sampling: rollout and rewards again on new prompts until N/G groups vary)
+        (rollout.filter_groups: both again on new prompts until N/G groups' rewards differ;
+         DAPO's dynamic sampling, rlcore.rollout.dynamic_sampling)
         advantages   group-normalised, over the whole round            (rlcore.losses.advantages)
         old / ref    log-probs under no_grad, only when needed          (SPEC 1)
         for replay in range(mu):                                        (mu = num_iterations)
@@ -18,9 +19,8 @@ The loop's comments `# 1.` to `# 6.` mark these steps (rollout; rewards and adva
 the replay; the loss; the optimizer step and its metrics), and eval and checkpoint end each round.
 
 The loop's own flags (off-policy or not, beta, TIS, the entropy bonus, a synced reference, dynamic
-sampling) are
-`if`s in `train()`; the loss's options are one `rlcore.losses.PolicyLossOptions`, built from the
-config's [loss] section. Everything before the first round (models, tokenizer, data, reward
+sampling) are `if`s in `train()`; the loss's options are one `rlcore.losses.PolicyLossOptions`,
+built from the config's [loss] section. Everything before the first round (models, tokenizer, data, reward
 functions, geometry, optimizer, run directory) is `rlcore.run.setup`'s `Run`; the run's counters
 and RNGs are one `RunState`; its directory, checkpoints and resume are `run.dir`, a `RunDir`; its
 metrics rows are `StepLog`'s; the held-out evaluation is `rlcore.evaluation`. The helpers above
@@ -29,7 +29,6 @@ metrics rows are `StepLog`'s; the held-out evaluation is `rlcore.evaluation`. Th
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import os
@@ -43,15 +42,15 @@ from rlcore import RlcoreWarning
 from rlcore.config import Config
 from rlcore.evaluation import held_out
 from rlcore.forward import SharedPrompts, completion_logprobs, pack
-from rlcore.losses.advantages import compute_advantages, varied_groups, weighted_rewards
+from rlcore.losses.advantages import compute_advantages
 from rlcore.losses.aggregate import aggregate_loss
 from rlcore.losses.masks import entropy_mask, mask_truncated, tis_weights
 from rlcore.losses.policy import PolicyLossOptions, policy_loss
 from rlcore.models.transformer import Transformer, mix_into
 from rlcore.parallel import collectives, fsdp
 from rlcore.rewards.scoring import RewardFunctionError, RewardState, reward_extras, reward_inputs, score_completions
-from rlcore.rollout.completions import (completion_texts, completion_token_ids, sample_completions, take_rows,
-                                        tool_reward_kwargs)
+from rlcore.rollout.completions import completion_texts, completion_token_ids, sample_completions, tool_reward_kwargs
+from rlcore.rollout.dynamic_sampling import GenerationBatches
 from rlcore.rollout.engine import Rollout
 from rlcore.run.rundir import RunDir
 from rlcore.run.setup import Run, setup
@@ -155,106 +154,42 @@ def score_round(run: Run, state: RunState, rows: list[dict], rollout: Rollout, c
                        extra_columns, acc)
 
 
-@dataclass
-class SampledRows:
-    """One rank's rows of a generation batch, as a round with dynamic sampling may take them (all of
-    it can be pickled, for the all-gather under torchrun)."""
-    rollout: Rollout
-    prompts: list  # as the reward functions saw them
-    completions: list
-    extra_columns: dict[str, list]  # the reward functions' log_extra columns
-    tools: ToolCounts | None  # with tools, each row's calls, failures and turns
+def new_generation_batches(run: Run) -> GenerationBatches | None:
+    """A round's generation batches under dynamic sampling (rollout.filter_groups), judged on the
+    weighted total reward or on rollout.filter_groups_metric's scores; None without it."""
+    rollout_cfg = run.cfg.rollout
+    if not rollout_cfg.filter_groups:
+        return None
+    metric = rollout_cfg.filter_groups_metric
+    return GenerationBatches(run.geometry.prompts_per_round, run.geometry.G, rollout_cfg.max_num_gen_batches,
+                             run.reward_weights, None if metric is None else run.cfg.loss.reward_funcs.index(metric))
 
 
-@dataclass
-class Generated:
-    """A generation batch of a round with dynamic sampling: this rank's rows, their scores (every
-    rank's), and which of the batch's groups the filter keeps."""
-    rows: SampledRows
-    scores: RoundScores
-    varied: torch.Tensor  # [N / G] bool: the groups whose judged rewards differ
-
-
-def filter_groups(run: Run, rollout: Rollout, turns: ToolTurns | None, scores: RoundScores) -> Generated:
-    """Judge a generation batch's groups, as DAPO's dynamic sampling does (verl's filter_groups):
-    a group is kept when its rewards differ, the weighted total reward or, with
-    rollout.filter_groups_metric, that reward function's scores (NaN, unscored, takes no part)."""
-    metric, R = run.cfg.rollout.filter_groups_metric, scores.rewards
-    if metric is None:
-        weights = torch.tensor(run.reward_weights or [1.0] * R.shape[1], dtype=torch.float64, device=R.device)
-        judged = weighted_rewards(R.double(), weights)
-    else:
-        judged = R[:, run.reward_names.index(metric)]
-    tools = None if turns is None else ToolCounts(turns.calls, turns.failures, turns.turns)
-    rows = SampledRows(rollout, scores.prompts, scores.completions, scores.extra_columns, tools)
-    return Generated(rows, scores, varied_groups(judged, run.geometry.G))
-
-
-def round_is_full(run: Run, generated: list[Generated]) -> bool:
-    """Whether dynamic sampling has the round's N/G kept groups, or rollout.max_num_gen_batches
-    generation batches (0: no cap)."""
-    cap, kept = run.cfg.rollout.max_num_gen_batches, sum(int(batch.varied.sum()) for batch in generated)
-    return kept >= run.geometry.prompts_per_round or len(generated) == cap
-
-
-def kept_groups_round(run: Run, state: RunState, generated: list[Generated],
-                      round_start: dict) -> tuple[Rollout, ToolCounts | None, RoundScores]:
-    """The round dynamic sampling trains on: the first N/G kept groups of its generation batches,
-    in the order sampled (further ones are dropped, as verl drops them), this rank's rows being
-    [rank * n, (rank + 1) * n) of them; its advantages and metrics are those of these N/G groups.
-    With fewer at the cap (rollout.max_num_gen_batches), a warning, and the round trains on them
-    and as many groups the filter dropped, first sampled first, as make N/G: those train as they
-    would without the filter (a group of equal rewards has advantages 0, SPEC 2), and every rank
-    holds its n rows, cut into the usual micro-batches. None kept is an error. Under torchrun a
-    rank's rows were mostly sampled on other ranks: one all-gather of the batches moves them."""
-    geometry, world, G, n = run.geometry, run.world, run.geometry.G, run.geometry.completions_per_rank
-    groups = geometry.prompts_per_round  # N / G
-    order = [(b, g) for b, batch in enumerate(generated) for g in batch.varied.nonzero()[:, 0].tolist()]
-    kept = order[:groups]
-    if len(kept) < groups:
-        if not kept:
-            with run.dir.saved_on_failure(run, state, round_start, (ValueError,)):
-                raise ValueError(
-                    f"dynamic sampling found no group whose rewards differ in {len(generated)} generation batches "
-                    f"(rollout.max_num_gen_batches) of {groups} prompts: every completion of a prompt scored alike; "
-                    f"check that the task is neither too hard nor too easy for the model (and the reward functions), "
-                    f"raise rollout.max_num_gen_batches (0 = no cap), or set rollout.filter_groups = false")
-        if run.main:
-            warnings.warn(f"step {state.step + 1}: dynamic sampling kept {len(kept)} of {groups} groups in "
-                          f"{len(generated)} generation batches (rollout.max_num_gen_batches); the round trains on "
-                          f"them and {groups - len(kept)} groups whose rewards are equal", RlcoreWarning, stacklevel=3)
-        kept += [(b, g) for b, batch in enumerate(generated) for g in (~batch.varied).nonzero()[:, 0].tolist()
-                 ][:groups - len(kept)]
-    rows = [(b, g * G + j) for b, g in kept for j in range(G)]  # the round's rows: (batch, row of the batch)
-    every = collectives.gather_objects([batch.rows if world == 1 else on_cpu(batch.rows) for batch in generated],
-                                       world)  # every[rank][batch]: rank r sampled rows r * n .. r * n + n - 1
-    mine = [(every[i // n][b], i % n) for b, i in rows[run.rank * n:(run.rank + 1) * n]]  # (its SampledRows, row)
-    rollout = take_rows([(part.rollout, i) for part, i in mine], run.tok.pad_token_id)
-    columns = dict.fromkeys(column for part, _ in mine for column in part.extra_columns)  # None where a batch had none
-    extra = {column: [part.extra_columns[column][i] if column in part.extra_columns else None for part, i in mine]
-             for column in columns}
-    tools = None if mine[0][0].tools is None else ToolCounts(
-        *([getattr(part.tools, count)[i] for part, i in mine] for count in ("calls", "failures", "turns")))
-    R = torch.cat([generated[b].scores.rewards[g * G:(g + 1) * G] for b, g in kept])  # [N, F], every rank's rows
-    accuracy = torch.cat([generated[b].scores.accuracy[g * G:(g + 1) * G] for b, g in kept])
-    advantages, stats = round_advantages(run, R, accuracy)
-    stats.update({"dynamic_sampling/gen_batches": len(generated),
-                  "dynamic_sampling/groups_sampled": len(generated) * groups,
-                  "dynamic_sampling/groups_kept": len(order), "dynamic_sampling/prompts_consumed": state.data_pos})
-    logged = defaultdict(list)  # each generation batch's log_metric means, averaged
-    for batch in generated:
-        for key, value in batch.scores.logged.items():
-            logged[key].append(value)
-    scores = RoundScores([part.prompts[i] for part, i in mine], [part.completions[i] for part, i in mine], R,
-                         advantages, stats, {k: sum(v) / len(v) for k, v in logged.items()}, extra, accuracy)
-    return rollout, tools, scores
-
-
-def on_cpu(rows: SampledRows) -> SampledRows:
-    """`rows` with the rollout's tensors in host memory (to pickle them for another rank)."""
-    rollout = dataclasses.replace(rows.rollout, **{key: value.cpu() for key, value in vars(rows.rollout).items()
-                                                   if isinstance(value, torch.Tensor)})
-    return dataclasses.replace(rows, rollout=rollout)
+def kept_round(run: Run, state: RunState, batches: GenerationBatches,
+               round_start: dict) -> tuple[Rollout, ToolCounts | None, RoundScores]:
+    """The round dynamic sampling trains on (`GenerationBatches.take`: this rank's rows of its N/G
+    groups), with the advantages and metrics of those groups. Short of N/G kept groups at the cap,
+    a warning (dropped groups fill the round); none kept is an error, once the round's start is
+    checkpointed."""
+    groups, cap = run.geometry.prompts_per_round, run.cfg.rollout.max_num_gen_batches
+    if batches.kept == 0:
+        with run.dir.saved_on_failure(run, state, round_start, (ValueError,)):
+            raise ValueError(
+                f"dynamic sampling kept no group in {len(batches.batches)} generation batches of {groups} prompts "
+                f"(rollout.max_num_gen_batches = {cap}): the G completions of every prompt scored alike; check "
+                f"that the task is neither too hard nor too easy for the model and that the reward functions "
+                f"tell its completions apart, raise rollout.max_num_gen_batches (0 = no cap), or set "
+                f"rollout.filter_groups = false")
+    if batches.kept < groups and run.main:
+        warnings.warn(f"step {state.step + 1}: dynamic sampling kept {batches.kept} of {groups} groups in "
+                      f"{len(batches.batches)} generation batches (rollout.max_num_gen_batches = {cap}); the round "
+                      f"trains on them and on {groups - batches.kept} more that the filter dropped", RlcoreWarning,
+                      stacklevel=3)
+    taken = batches.take(run.rank, run.geometry.completions_per_rank, run.world, run.tok.pad_token_id)
+    advantages, stats = round_advantages(run, taken.rewards, taken.accuracy)
+    stats.update({**batches.metrics(), "dynamic_sampling/prompts_consumed": state.data_pos})
+    return taken.rollout, taken.tools, RoundScores(taken.prompts, taken.completions, taken.rewards, advantages, stats,
+                                                   taken.logged, taken.extra_columns, taken.accuracy)
 
 
 @dataclass
@@ -378,8 +313,8 @@ def train(cfg: Config, resume: str | os.PathLike | RunDir | None = None) -> dict
     while state.step < max_steps:
         round_start = state.resume_point()  # checkpointed if scoring fails (step 2), before any weight changes
         round_end = state.step + steps_per_round
-        generated = []  # dynamic sampling: this round's generation batches, judged
-        while True:
+        batches = new_generation_batches(run)  # None unless rollout.filter_groups (DAPO's dynamic sampling)
+        while batches is None or not batches.full():  # once; with dynamic sampling until N/G groups vary
             # 1. Rollout: G samples per prompt, token ids in and out. Every rank draws the same
             # round of prompts and samples the rows it owns (a group may straddle two ranks).
             with log.timed("rollout"):
@@ -392,15 +327,12 @@ def train(cfg: Config, resume: str | os.PathLike | RunDir | None = None) -> dict
             with log.timed("scoring"):
                 completion_ids = completion_token_ids(rollout)
                 scores = score_round(run, state, rows, rollout, completion_ids, round_start, turns)
-                # Dynamic sampling (DAPO): only groups whose rewards differ count, and 1-2 go on with
-                # the next prompts until N/G of them are in (or rollout.max_num_gen_batches batches).
-                if rollout_cfg.filter_groups:
-                    generated.append(filter_groups(run, rollout, turns, scores))
-            if not rollout_cfg.filter_groups or round_is_full(run, generated):
+            if batches is None:
                 break
+            batches.add(rollout, turns, scores)  # a generation batch: its groups whose rewards differ are kept
         with log.timed("scoring"):
-            if rollout_cfg.filter_groups:  # the round: the first N/G groups kept; advantages over them
-                rollout, turns, scores = kept_groups_round(run, state, generated, round_start)
+            if batches is not None:  # the round: the first N/G kept groups, with advantages over them
+                rollout, turns, scores = kept_round(run, state, batches, round_start)
                 completion_ids = completion_token_ids(rollout)
             batch = RoundBatch.of(rollout, completion_ids, scores.advantages[mine], run.tok.pad_token_id, device,
                                   loss_cfg.mask_truncated_completions)

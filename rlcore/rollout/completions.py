@@ -4,15 +4,12 @@
 or with tools the prompt its environment's reset made and a `ToolTurns` that runs the calls of
 each turn (tools/turns.py). `completion_token_ids` and `completion_texts` are the completions as
 the reward functions get them: token ids, and text (with tools, TRL's list of messages), and
-`completion_tool_masks` which of their tokens the model wrote. `take_rows` makes one Rollout of
-rows of several (dynamic sampling's round, from its generation batches).
+`completion_tool_masks` which of their tokens the model wrote.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-
-import torch
 
 from rlcore.models.tokenizer import Tokenizer
 from rlcore.models.transformer import Transformer
@@ -70,26 +67,3 @@ def tool_reward_kwargs(rollout: Rollout, turns: ToolTurns | None) -> dict:
     if turns.environments and turns.environments[0] is not None:
         kwargs["environments"] = turns.environments
     return kwargs
-
-
-def take_rows(rows: list[tuple[Rollout, int]], pad_token_id: int) -> Rollout:
-    """One Rollout of `rows`, each (a rollout, a row of it), in that order, right-padded to the
-    longest (as the engine pads: `pad_token_id`, mask 0, log-prob 0, tool mask 1). The rollouts
-    must agree on whether they have full_logprobs and a tool_mask (they do when sampled alike)."""
-    width = max(int(rollout.lengths[i]) for rollout, i in rows)
-
-    def stack(field: str, pad: float) -> torch.Tensor | None:
-        if getattr(rows[0][0], field) is None:
-            return None
-        picked = [getattr(rollout, field)[i, :width] for rollout, i in rows]
-        out = picked[0].new_full((len(picked), width), pad)
-        for k, row in enumerate(picked):
-            out[k, :len(row)] = row
-        return out
-
-    return Rollout(prompt_ids=[rollout.prompt_ids[i] for rollout, i in rows],
-                   completion_ids=stack("completion_ids", pad_token_id), completion_mask=stack("completion_mask", 0),
-                   lengths=torch.stack([rollout.lengths[i] for rollout, i in rows]),
-                   truncated=torch.stack([rollout.truncated[i] for rollout, i in rows]),
-                   sampling_logprobs=stack("sampling_logprobs", 0.0), full_logprobs=stack("full_logprobs", 0.0),
-                   tool_mask=stack("tool_mask", 1))
