@@ -222,9 +222,9 @@ def held_out(run: Run, state: RunState) -> dict:
                        rank=run.rank, world=run.world, device=run.device, rewards=rewards,
                        stop_sequences=run.stop_sequences, **tools)
         if cfg.train.eval_num_generations > 1:
-            sampling = {"temperature": cfg.train.eval_temperature or rollout_cfg.temperature, "top_k": rollout_cfg.top_k,
-                        "top_p": rollout_cfg.top_p, "min_p": rollout_cfg.min_p,
-                        "repetition_penalty": rollout_cfg.repetition_penalty}
+            temperature = rollout_cfg.temperature if cfg.train.eval_temperature is None else cfg.train.eval_temperature
+            sampling = {"temperature": temperature, "top_k": rollout_cfg.top_k, "top_p": rollout_cfg.top_p,
+                        "min_p": rollout_cfg.min_p, "repetition_penalty": rollout_cfg.repetition_penalty}
             sampled = SampledEval(cfg.train.eval_num_generations, cfg.train.eval_pass_at_k,
                                   seed=rollout_cfg.seed + EVAL_SEED_OFFSET + run.rank, sampling=sampling)
             out.update(evaluate_sampled(policy, run.tok, run.eval_set, run.accuracy_fn,

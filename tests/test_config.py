@@ -428,7 +428,7 @@ def test_chat_template_kwargs_as_a_toml_table_inline_or_nested(tmp_path):
         load_config(None, ["data.chat_template_kwargs={a=[1]}"])
 
 
-@pytest.mark.parametrize("name", ["default.toml", "qwen2.5-0.5b-gsm8k.toml"])
+@pytest.mark.parametrize("name", ["default.toml", "qwen2.5-0.5b-gsm8k.toml", "dapo.toml"])
 def test_shipped_configs_load_and_validate(name):
     c = load_config(str(CONFIGS / name), ["data.path=train.jsonl"] if "gsm8k" in name else [])
     validate(c)
@@ -1018,6 +1018,8 @@ def test_soft_overlong_punishments_l_max_defaults_to_the_max_completion_length()
     (["train.eval_num_generations=4", "train.eval_pass_at_k=[2, 2]"], r"lists a k twice"),
     (["train.eval_num_generations=0"], r"train\.eval_num_generations = 0 must be >= 1"),
     (["train.eval_num_generations=4", "train.eval_temperature=0"], r"train\.eval_temperature = 0\.0 must be > 0"),
+    (["train.eval_temperature=0.6"], r"train\.eval_temperature = 0\.6 is the temperature of the sampled held-out "
+                                     r"completions, and train\.eval_num_generations = 1 samples none"),
 ])
 def test_sampled_evaluation_settings_are_checked(items, expected):
     with pytest.raises(ConfigError, match=expected):

@@ -370,6 +370,10 @@ def sampled_eval_problems(config: Config) -> list[str]:
     if n < 1:
         return [f"train.eval_num_generations = {n} must be >= 1 (1 = the greedy evaluation alone)"]
     problems = []
+    if n == 1 and train.eval_temperature is not None:
+        problems.append(f"train.eval_temperature = {train.eval_temperature} is the temperature of the sampled "
+                        f"held-out completions, and train.eval_num_generations = 1 samples none (the greedy one "
+                        f"alone); set train.eval_num_generations > 1 (e.g. 8), or leave eval_temperature out")
     if n > 1 and train.eval_temperature is not None and train.eval_temperature <= 0:
         problems.append(f"train.eval_temperature = {train.eval_temperature} must be > 0: the n = {n} held-out "
                         f"completions per prompt are sampled (the greedy one is always there); e.g. 0.6")
