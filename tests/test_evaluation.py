@@ -14,7 +14,7 @@ from rlcore.models.hf_checkpoint import load_model
 from rlcore.models.tokenizer import Tokenizer
 from rlcore.train import train
 
-from conftest import EMBEDDED_NUM_EVAL, EMBEDDED_SEED
+from conftest import EMBEDDED_SEED
 from test_train import config, rows, run_and_crash, weights
 
 pytestmark = pytest.mark.usefixtures("embedded_dir")

@@ -597,8 +597,8 @@ def test_dynamic_sampling_at_its_cap_fills_the_round_with_dropped_groups_and_war
     judged rewards are the only ones here, so their advantages are all 0)."""
     run = tmp_path / "run"
     with pytest.warns(RlcoreWarning, match=r"dynamic sampling kept \d of 4 groups in 1 generation batches "
-                                           r"\(rollout\.max_num_gen_batches\); the round trains on them and \d "
-                                           r"groups whose rewards are equal"):
+                                           r"\(rollout\.max_num_gen_batches = 1\); the round trains on them and on "
+                                           r"\d more that the filter dropped"):
         train(config(run, "train.max_steps=6", *FILTERED, "rollout.max_num_gen_batches=1",
                      f"loss.reward_funcs=['{__name__}:first_digit_if_odd_sum']"))
     metrics, logged = rows(run), completions_by_step(run)
@@ -616,8 +616,8 @@ def test_dynamic_sampling_at_its_cap_fills_the_round_with_dropped_groups_and_war
 
 
 def test_dynamic_sampling_that_keeps_no_group_at_its_cap_is_an_error(tmp_path):
-    with pytest.raises(ValueError, match=r"dynamic sampling found no group whose rewards differ in 2 generation "
-                                         r"batches \(rollout\.max_num_gen_batches\) of 4 prompts.*raise "
+    with pytest.raises(ValueError, match=r"dynamic sampling kept no group in 2 generation batches of 4 prompts "
+                                         r"\(rollout\.max_num_gen_batches = 2\).*raise "
                                          r"rollout\.max_num_gen_batches \(0 = no cap\)"):
         train(config(tmp_path / "run", "train.max_steps=2", "rollout.filter_groups=true",
                      "rollout.max_num_gen_batches=2", f"loss.reward_funcs=['{__name__}:constant']"))
@@ -625,6 +625,31 @@ def test_dynamic_sampling_that_keeps_no_group_at_its_cap_is_an_error(tmp_path):
 
 def constant(prompts, completions, **columns):
     return [1.0] * len(completions)
+
+
+@pytest.mark.filterwarnings("ignore:step .* dynamic sampling kept")  # the test model seldom varies: the cap
+def test_the_dapo_recipe_trains_with_its_four_techniques_and_a_sampled_evaluation(tmp_path):
+    """configs/dapo.toml, shortened to two rounds: clip-higher (off-policy, two steps a round), the
+    token-level loss, dynamic sampling judged on accuracy alone, the overlong penalty beside it, no
+    KL; every group it trains on differs in accuracy, and the evaluation reports mean@8, pass@k, maj@8."""
+    run = tmp_path / "run"
+    cfg = load_config(str(Path(__file__).parent.parent / "configs" / "dapo.toml"),
+                      [f"data.seed={SEED}", f"data.num_eval={NUM_EVAL}", "data.num_train=256", "train.max_steps=4",
+                       "train.per_device_train_batch_size=32", "train.eval_steps=0", "train.save_steps=0",
+                       "train.log_completions=true", "train.num_completions_to_print=0", f"train.output_dir={run}"])
+    assert (cfg.loss.epsilon, cfg.loss.epsilon_high, cfg.loss.loss_type, cfg.loss.beta) == (0.2, 0.28, "dapo", 0.0)
+    train(cfg)
+    metrics, logged = rows(run), completions_by_step(run)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4] and all("kl_old/k3" in m for m in metrics)  # off-policy
+    assert sorted(logged) == [1, 3]  # a round of 32 prompts (S = 2), 8 completions each, two steps
+    for m in metrics[::2]:
+        records, kept = logged[m["step"]], min(m["dynamic_sampling/groups_kept"], 8)
+        assert len(records) == 64 and m["frac_reward_zero_std"] == (8 - kept) / 8
+        for k in range(0, 64, 8):  # the kept groups first, then (at the cap) dropped ones
+            assert (len({r["rewards"]["accuracy"] for r in records[k:k + 8]}) == 2) == (k < 8 * kept)
+            assert {r["rewards"]["soft_overlong_punishment"] for r in records[k:k + 8]} <= {0.0, -1.0}
+    final = json.loads((run / "eval.jsonl").read_text().splitlines()[-1])
+    assert {"eval/accuracy", "eval/mean@8", "eval/pass@1", "eval/pass@8", "eval/maj@8"} <= set(final)
 
 
 # ----------------------------------------------------------------------------- resume and crashes
