@@ -1038,6 +1038,9 @@ def test_sampled_evaluation_defaults_and_trls_num_generations_eval():
     ("overlong_buffer.len=4096", r"'soft_overlong_punishment' reward in loss\.reward_funcs, len -> "
                                  r"loss\.soft_punish_cache, penalty_factor -> its weight in loss\.reward_weights"),
     ("overlong_buffer_len=4096", r"OpenRLHF's; rlcore's is the 'soft_overlong_punishment' reward"),
+    ("reward_model.overlong_buffer.len=4096", r"its overlong_buffer \(DAPO's overlong shaping\) is the "
+                                              r"'soft_overlong_punishment' reward, len -> loss\.soft_punish_cache"),
+    ("dynamic_filtering=true", r"OpenRLHF's; rlcore's dynamic sampling is rollout\.filter_groups, verl's rule"),
 ])
 def test_verl_and_openrlhf_dapo_names_are_answered(override, said):
     with pytest.raises(ConfigError, match=said):

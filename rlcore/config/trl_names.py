@@ -207,10 +207,16 @@ FOREIGN = {
                            "with loss.soft_punish_cache",
     "overlong_penalty_factor": "OpenRLHF's; rlcore's is the weight of 'soft_overlong_punishment' in "
                                "loss.reward_weights",
+    "dynamic_filtering": "OpenRLHF's; rlcore's dynamic sampling is rollout.filter_groups, verl's rule: it keeps "
+                         "the groups whose rewards differ (OpenRLHF: whose mean reward is inside a range)",
+    "dynamic_filtering_reward_range": "OpenRLHF's; rlcore's dynamic sampling (rollout.filter_groups) keeps the "
+                                      "groups whose rewards differ, verl's rule, and has no range",
     "trainer": "verl's; rlcore's are train.max_steps, train.save_steps, train.output_dir, ...",
     "critic": "verl's; GRPO has no critic",
     "reward_model": "verl's; rlcore's reward models are loss.reward_funcs entries: a reward model's checkpoint "
-                    "directory (verl's reward_model.model.path), beside Python functions",
+                    "directory (verl's reward_model.model.path), beside Python functions; its overlong_buffer "
+                    "(DAPO's overlong shaping) is the 'soft_overlong_punishment' reward, len -> "
+                    "loss.soft_punish_cache, penalty_factor -> its weight in loss.reward_weights",
     "train_files": "verl's; rlcore reads one JSONL file: data.path (data.task = 'jsonl')",
     "val_files": "verl's; rlcore's held-out file is data.eval_path",
     "train_batch_size": "verl's prompts per step; rlcore's round is train.per_device_train_batch_size x "
