@@ -3,6 +3,8 @@
     for each round:
         rollout      G completions for each of b*S*P/G prompts      (rlcore.rollout)
         rewards      reward functions -> R[N, F]                        (rlcore.rewards.scoring)
+        (rollout.filter_groups: both again on new prompts until N/G groups' rewards differ;
+         DAPO's dynamic sampling, rlcore.rollout.dynamic_sampling)
         advantages   group-normalised, over the whole round            (rlcore.losses.advantages)
         old / ref    log-probs under no_grad, only when needed          (SPEC 1)
         for replay in range(mu):                                        (mu = num_iterations)
@@ -16,9 +18,9 @@
 The loop's comments `# 1.` to `# 6.` mark these steps (rollout; rewards and advantages; old / ref;
 the replay; the loss; the optimizer step and its metrics), and eval and checkpoint end each round.
 
-The loop's own flags (off-policy or not, beta, TIS, the entropy bonus, a synced reference) are
-`if`s in `train()`; the loss's options are one `rlcore.losses.PolicyLossOptions`, built from the
-config's [loss] section. Everything before the first round (models, tokenizer, data, reward
+The loop's own flags (off-policy or not, beta, TIS, the entropy bonus, a synced reference, dynamic
+sampling) are `if`s in `train()`; the loss's options are one `rlcore.losses.PolicyLossOptions`,
+built from the config's [loss] section. Everything before the first round (models, tokenizer, data, reward
 functions, geometry, optimizer, run directory) is `rlcore.run.setup`'s `Run`; the run's counters
 and RNGs are one `RunState`; its directory, checkpoints and resume are `run.dir`, a `RunDir`; its
 metrics rows are `StepLog`'s; the held-out evaluation is `rlcore.evaluation`. The helpers above
@@ -47,13 +49,14 @@ from rlcore.losses.policy import PolicyLossOptions, policy_loss
 from rlcore.models.transformer import Transformer, mix_into
 from rlcore.parallel import collectives, fsdp
 from rlcore.rewards.scoring import RewardFunctionError, RewardState, reward_extras, reward_inputs, score_completions
-from rlcore.rollout.completions import completion_texts, completion_token_ids, sample_completions
+from rlcore.rollout.completions import completion_texts, completion_token_ids, sample_completions, tool_reward_kwargs
+from rlcore.rollout.dynamic_sampling import GenerationBatches
 from rlcore.rollout.engine import Rollout
 from rlcore.run.rundir import RunDir
 from rlcore.run.setup import Run, setup
 from rlcore.run.state import RunState
 from rlcore.run.steplog import MicroBatch, Progress, StepLog, Stepped
-from rlcore.tools.turns import ToolTurns
+from rlcore.tools.turns import ToolCounts, ToolTurns
 
 
 def next_prompts(examples: list[dict], pos: int, n: int, seed: int) -> list[dict]:
@@ -95,15 +98,29 @@ class RoundScores:
     stats: dict  # reward statistics and reward/accuracy, on every step's metrics row
     logged: dict[str, float]  # the reward functions' log_metric values, averaged over the round
     extra_columns: dict[str, list]  # their log_extra columns, this rank's rows
+    accuracy: torch.Tensor  # [N]: the task's accuracy of each completion, NaN where it cannot score one
 
 
-def score_round(run: Run, state: RunState, rows: list[dict], completion_ids: list[list[int]], round_start: dict,
-                turns: ToolTurns | None = None) -> RoundScores:
+def round_advantages(run: Run, rewards: torch.Tensor, accuracy: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The group-normalised advantages `[N]` of a round's rewards R `[N, F]` (SPEC 2), and the
+    statistics of its metrics rows: the rewards', and reward/accuracy from the task's `accuracy`
+    `[N]` (NaN, a completion the task cannot score, such as one without an answer, counts as 0)."""
+    loss_cfg = run.cfg.loss
+    advantages, reward_stats = compute_advantages(rewards, run.geometry.G, run.reward_weights, loss_cfg.scale_rewards,
+                                                  reward_names=run.reward_names,
+                                                  multi_objective_aggregation=loss_cfg.multi_objective_aggregation)
+    stats = {**reward_stats,
+             "reward/accuracy": None if accuracy.isnan().all() else accuracy.nan_to_num(0.0).mean().item()}
+    return advantages, stats
+
+
+def score_round(run: Run, state: RunState, rows: list[dict], rollout: Rollout, completion_ids: list[list[int]],
+                round_start: dict, turns: ToolTurns | None = None) -> RoundScores:
     """Call the reward functions on this rank's rows, then gather every rank's scores and compute
     the group-normalised advantages over the whole round (SPEC 2). A reward function that fails on
     any rank stops every rank; the round has changed no weight yet, so the run is checkpointed at
     its start (`round_start`) first. With tools (`turns`) each completion is its messages, and the
-    rows' environments are TRL's `environments=`."""
+    reward functions also get `tool_mask` and the rows' environments (TRL's `environments=`)."""
     cfg, world, device, n = run.cfg, run.world, run.device, run.geometry.completions_per_rank
     loss_cfg, N, G = cfg.loss, run.geometry.completions_per_round, run.geometry.G
     texts = completion_texts(run.tok, completion_ids, turns)
@@ -114,8 +131,7 @@ def score_round(run: Run, state: RunState, rows: list[dict], completion_ids: lis
     reward_kwargs = reward_extras(
         completion_ids, reward_state, log_metric=lambda name, value: logged[name].append(float(value)),
         log_extra=lambda column, values: extra_columns.setdefault(column, []).extend(values))
-    if turns and run.toolbox.environment_factory is not None:
-        reward_kwargs["environments"] = turns.environments
+    reward_kwargs.update(tool_reward_kwargs(rollout, turns))
     R = failure = None
     try:  # a failure on one rank's rows stops every rank with it (else the others wait at the next all-gather)
         R = score_completions(run.reward_funcs, prompts, completions, column_values, loss_cfg.reward_on_error,
@@ -130,15 +146,50 @@ def score_round(run: Run, state: RunState, rows: list[dict], completion_ids: lis
         warnings.warn(f"no reward function scored any completion of round {state.data_pos // (N // G)} (all "
                       f"returned None or NaN), so every advantage is 0 and its steps learn nothing; check "
                       f"loss.reward_funcs and the columns they need (data.answer_column)", RlcoreWarning, stacklevel=3)
-    advantages, reward_stats = compute_advantages(R, G, run.reward_weights, loss_cfg.scale_rewards,
-                                                  reward_names=run.reward_names,
-                                                  multi_objective_aggregation=loss_cfg.multi_objective_aggregation)
     acc = run.accuracy_fn(prompts=prompts, completions=completions, **column_values)
     acc = collectives.gather_rows(torch.tensor([math.nan if a is None else float(a) for a in acc], device=device),
-                                  world)  # NaN: a completion the task cannot score (no answer), counted as 0
-    stats = {**reward_stats, "reward/accuracy": None if acc.isnan().all() else acc.nan_to_num(0.0).mean().item()}
+                                  world)  # NaN: a completion the task cannot score (no answer)
+    advantages, stats = round_advantages(run, R, acc)
     return RoundScores(prompts, completions, R, advantages, stats, {k: sum(v) / len(v) for k, v in logged.items()},
-                       extra_columns)
+                       extra_columns, acc)
+
+
+def new_generation_batches(run: Run) -> GenerationBatches | None:
+    """A round's generation batches under dynamic sampling (rollout.filter_groups), judged on the
+    weighted total reward or on rollout.filter_groups_metric's scores; None without it."""
+    rollout_cfg = run.cfg.rollout
+    if not rollout_cfg.filter_groups:
+        return None
+    metric = rollout_cfg.filter_groups_metric
+    return GenerationBatches(run.geometry.prompts_per_round, run.geometry.G, rollout_cfg.max_num_gen_batches,
+                             run.reward_weights, None if metric is None else run.cfg.loss.reward_funcs.index(metric))
+
+
+def kept_round(run: Run, state: RunState, batches: GenerationBatches,
+               round_start: dict) -> tuple[Rollout, ToolCounts | None, RoundScores]:
+    """The round dynamic sampling trains on (`GenerationBatches.take`: this rank's rows of its N/G
+    groups), with the advantages and metrics of those groups. Short of N/G kept groups at the cap,
+    a warning (dropped groups fill the round); none kept is an error, once the round's start is
+    checkpointed."""
+    groups, cap = run.geometry.prompts_per_round, run.cfg.rollout.max_num_gen_batches
+    if batches.kept == 0:
+        with run.dir.saved_on_failure(run, state, round_start, (ValueError,)):
+            raise ValueError(
+                f"dynamic sampling kept no group in {len(batches.batches)} generation batches of {groups} prompts "
+                f"(rollout.max_num_gen_batches = {cap}): the G completions of every prompt scored alike; check "
+                f"that the task is neither too hard nor too easy for the model and that the reward functions "
+                f"tell its completions apart, raise rollout.max_num_gen_batches (0 = no cap), or set "
+                f"rollout.filter_groups = false")
+    if batches.kept < groups and run.main:
+        warnings.warn(f"step {state.step + 1}: dynamic sampling kept {batches.kept} of {groups} groups in "
+                      f"{len(batches.batches)} generation batches (rollout.max_num_gen_batches = {cap}); the round "
+                      f"trains on them and on {groups - batches.kept} more that the filter dropped", RlcoreWarning,
+                      stacklevel=3)
+    taken = batches.take(run.rank, run.geometry.completions_per_rank, run.world, run.tok.pad_token_id)
+    advantages, stats = round_advantages(run, taken.rewards, taken.accuracy)
+    stats.update({**batches.metrics(), "dynamic_sampling/prompts_consumed": state.data_pos})
+    return taken.rollout, taken.tools, RoundScores(taken.prompts, taken.completions, taken.rewards, advantages, stats,
+                                                   taken.logged, taken.extra_columns, taken.accuracy)
 
 
 @dataclass
@@ -262,18 +313,27 @@ def train(cfg: Config, resume: str | os.PathLike | RunDir | None = None) -> dict
     while state.step < max_steps:
         round_start = state.resume_point()  # checkpointed if scoring fails (step 2), before any weight changes
         round_end = state.step + steps_per_round
-        # 1. Rollout: G samples per prompt, token ids in and out. Every rank draws the same
-        # round of prompts and samples the rows it owns (a group may straddle two ranks).
-        with log.timed("rollout"):
-            prompts = next_prompts(run.train_set, state.data_pos, N // G, train_cfg.seed)
-            state.data_pos += N // G
-            rows = [example for example in prompts for _ in range(G)][mine]
-            rollout, turns = sample_round(run, state, rows)
+        batches = new_generation_batches(run)  # None unless rollout.filter_groups (DAPO's dynamic sampling)
+        while batches is None or not batches.full():  # once; with dynamic sampling until N/G groups vary
+            # 1. Rollout: G samples per prompt, token ids in and out. Every rank draws the same
+            # round of prompts and samples the rows it owns (a group may straddle two ranks).
+            with log.timed("rollout"):
+                prompts = next_prompts(run.train_set, state.data_pos, N // G, train_cfg.seed)
+                state.data_pos += N // G
+                rows = [example for example in prompts for _ in range(G)][mine]
+                rollout, turns = sample_round(run, state, rows)
 
-        # 2. Rewards and advantages, over the whole round (all ranks) before it is cut up.
+            # 2. Rewards and advantages, over the whole round (all ranks) before it is cut up.
+            with log.timed("scoring"):
+                completion_ids = completion_token_ids(rollout)
+                scores = score_round(run, state, rows, rollout, completion_ids, round_start, turns)
+            if batches is None:
+                break
+            batches.add(rollout, turns, scores)  # a generation batch: its groups whose rewards differ are kept
         with log.timed("scoring"):
-            completion_ids = completion_token_ids(rollout)
-            scores = score_round(run, state, rows, completion_ids, round_start, turns)
+            if batches is not None:  # the round: the first N/G kept groups, with advantages over them
+                rollout, turns, scores = kept_round(run, state, batches, round_start)
+                completion_ids = completion_token_ids(rollout)
             batch = RoundBatch.of(rollout, completion_ids, scores.advantages[mine], run.tok.pad_token_id, device,
                                   loss_cfg.mask_truncated_completions)
 

@@ -109,6 +109,13 @@ def token_reward(prompts, completions, completion_ids, **kwargs):
     return [float(sum(t % 3 == 0 for t in ids)) - 0.3 * len(ids) for ids in completion_ids]
 
 
+def token_reward_if_odd_sum(prompts, completions, completion_ids, answer, **kwargs):
+    """token_reward for the GSM8K-style rows whose answer ("... #### 5") is odd, 0.0 for the others,
+    whose groups' rewards are therefore all equal (the rows dynamic sampling drops)."""
+    return [r if int(a.rsplit("####", 1)[1]) % 2 else 0.0
+            for r, a in zip(token_reward(prompts, completions, completion_ids), answer)]
+
+
 def clip_bound_margin(log_ratio: torch.Tensor, mask: torch.Tensor, epsilon: float = 0.2, epsilon_high: float | None = None,
                       delta: float | None = None, sequence: bool = False) -> float:
     """The smallest distance, relative, from an importance ratio exp(log_ratio) [B, T] (per token, or per

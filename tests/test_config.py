@@ -428,7 +428,7 @@ def test_chat_template_kwargs_as_a_toml_table_inline_or_nested(tmp_path):
         load_config(None, ["data.chat_template_kwargs={a=[1]}"])
 
 
-@pytest.mark.parametrize("name", ["default.toml", "qwen2.5-0.5b-gsm8k.toml"])
+@pytest.mark.parametrize("name", ["default.toml", "qwen2.5-0.5b-gsm8k.toml", "dapo.toml"])
 def test_shipped_configs_load_and_validate(name):
     c = load_config(str(CONFIGS / name), ["data.path=train.jsonl"] if "gsm8k" in name else [])
     validate(c)
@@ -959,3 +959,89 @@ def test_with_absolute_paths_makes_the_set_path_options_absolute_and_leaves_the_
     assert recorded.model.ref_path is None and recorded.data.eval_path is None
     assert cfg.model.path == "ckpt/qwen" and dataclasses.replace(recorded.model, path="ckpt/qwen") == cfg.model
     assert with_absolute_paths(load_config(None, [])).model.path == ""  # the embedded model stays
+
+
+# ---- DAPO: dynamic sampling, overlong shaping; sampled evaluation
+
+@pytest.mark.parametrize("items, expected", [
+    (["rollout.filter_groups=true", "rollout.max_num_gen_batches=-1"],
+     r"rollout\.max_num_gen_batches = -1 must be >= 0: the most generation batches a round samples \(0 = no cap"),
+    (["rollout.filter_groups=true", "rollout.filter_groups_metric=acuracy"],
+     r"rollout\.filter_groups_metric = 'acuracy' is not one of loss\.reward_funcs = \['accuracy'\] \(did you mean "
+     r"'accuracy'\?\); name one of them, or leave it out to judge the weighted total reward"),
+    (["rollout.filter_groups=true", "rollout.num_generations=1"],
+     r"rollout\.num_generations = 1 must be >= 2: .*, and rollout\.filter_groups keeps a group only when its "
+     r"rewards differ"),
+    (["rollout.max_num_gen_batches=10"], r"rollout\.max_num_gen_batches = 10 is a setting of dynamic sampling, "
+                                         r"which is off; set rollout\.filter_groups = true"),
+    (["rollout.filter_groups_metric=accuracy"], r"rollout\.filter_groups_metric = 'accuracy' is a setting of "
+                                                r"dynamic sampling, which is off"),
+])
+def test_dynamic_sampling_settings_are_checked_before_a_model_loads(items, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, items)
+    ro = load_config(None, ["filter_groups=true", "max_num_gen_batches=10"]).rollout  # verl's names, flat
+    assert (ro.filter_groups, ro.max_num_gen_batches, ro.filter_groups_metric) == (True, 10, None)
+
+
+@pytest.mark.parametrize("items, expected", [
+    (["loss.reward_funcs=['accuracy', 'soft_overlong_punishment']"],
+     r"the soft_overlong_punishment reward needs loss\.soft_punish_cache \(L_cache\).*e\.g\. "
+     r"loss\.soft_punish_cache = 102"),
+    (["loss.reward_funcs=['accuracy', 'soft_overlong_punishment']", "loss.soft_punish_cache=600"],
+     r"loss\.soft_punish_cache = 600 must be in \[0, loss\.soft_punish_max_completion_len = 512\]"),
+    (["loss.reward_funcs=['soft_overlong_punishment']", "loss.soft_punish_cache=-1"],
+     r"loss\.soft_punish_cache = -1 must be in \[0, "),
+    (["loss.soft_punish_cache=64"], r"loss\.soft_punish_cache = 64 is read by the soft_overlong_punishment reward, "
+                                    r"which loss\.reward_funcs = \['accuracy'\] does not name; add it"),
+    (["loss.reward_funcs=['soft_overlong_punishment']", "loss.soft_punish_cache=0",
+      "loss.soft_punish_max_completion_len=0"], r"loss\.soft_punish_max_completion_len = 0 must be >= 1"),
+])
+def test_soft_overlong_punishment_settings_are_checked(items, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, items)
+
+
+def test_soft_overlong_punishments_l_max_defaults_to_the_max_completion_length():
+    lo = load_config(None, ["rollout.max_completion_length=64", "loss.soft_punish_cache=16",
+                            "loss.reward_funcs=['accuracy', 'soft_overlong_punishment']"]).loss
+    assert (lo.soft_punish_max_completion_len, lo.soft_punish_cache) == (64, 16)
+
+
+@pytest.mark.parametrize("items, expected", [
+    (["train.eval_num_generations=4", "train.eval_pass_at_k=[1, 8]"],
+     r"train\.eval_pass_at_k has k = 8, outside \[1, train\.eval_num_generations = 4\]: pass@k picks k of the n "
+     r"completions of a prompt; raise eval_num_generations to 8 or drop it"),
+    (["train.eval_pass_at_k=[2]"], r"k = 2, outside \[1, train\.eval_num_generations = 1\]"),
+    (["train.eval_num_generations=4", "train.eval_pass_at_k=[0]"], r"train\.eval_pass_at_k has k = 0; each k must be >= 1"),
+    (["train.eval_num_generations=4", "train.eval_pass_at_k=[]"], r"train\.eval_pass_at_k = \[\] names no k"),
+    (["train.eval_num_generations=4", "train.eval_pass_at_k=[2, 2]"], r"lists a k twice"),
+    (["train.eval_num_generations=0"], r"train\.eval_num_generations = 0 must be >= 1"),
+    (["train.eval_num_generations=4", "train.eval_temperature=0"], r"train\.eval_temperature = 0\.0 must be > 0"),
+    (["train.eval_temperature=0.6"], r"train\.eval_temperature = 0\.6 is the temperature of the sampled held-out "
+                                     r"completions, and train\.eval_num_generations = 1 samples none"),
+])
+def test_sampled_evaluation_settings_are_checked(items, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, items)
+
+
+def test_sampled_evaluation_defaults_and_trls_num_generations_eval():
+    train = load_config(None, ["num_generations_eval=8"]).train  # TRL's name
+    assert (train.eval_num_generations, train.eval_pass_at_k, train.eval_temperature) == (8, [1, 8], None)
+    assert load_config(None, []).train.eval_pass_at_k == [1]
+
+
+@pytest.mark.parametrize("override, said", [
+    ("algorithm.filter_groups.enable=true", r"algorithm\.filter_groups \(DAPO's dynamic sampling\) is "
+                                            r"rollout\.filter_groups \(enable\), rollout\.filter_groups_metric"),
+    ("overlong_buffer.len=4096", r"'soft_overlong_punishment' reward in loss\.reward_funcs, len -> "
+                                 r"loss\.soft_punish_cache, penalty_factor -> its weight in loss\.reward_weights"),
+    ("overlong_buffer_len=4096", r"OpenRLHF's; rlcore's is the 'soft_overlong_punishment' reward"),
+    ("reward_model.overlong_buffer.len=4096", r"its overlong_buffer \(DAPO's overlong shaping\) is the "
+                                              r"'soft_overlong_punishment' reward, len -> loss\.soft_punish_cache"),
+    ("dynamic_filtering=true", r"OpenRLHF's; rlcore's dynamic sampling is rollout\.filter_groups, verl's rule"),
+])
+def test_verl_and_openrlhf_dapo_names_are_answered(override, said):
+    with pytest.raises(ConfigError, match=said):
+        load_config(None, [override])

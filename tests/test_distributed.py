@@ -182,3 +182,47 @@ def test_two_ranks_train_as_one_rank_with_micro_batches_twice_as_large(loss_type
         moved = wa[name] - init[name]  # its sign (k_proj's bias: softmax ignores a shift of all of a query's scores)
         assert moved.abs().max() > 1e-3, name
         assert (wb[name] - init[name] - moved).norm() <= 1e-3 * moved.norm(), name
+
+
+def test_two_ranks_with_dynamic_sampling_train_as_one_rank_with_micro_batches_twice_as_large(qwen_dir, tmp_path):
+    """Dynamic sampling under torchrun (docs/loop.md): the kept groups are chosen over every rank's
+    rows and each rank trains on its share of them, so 2 ranks x b = 3 train as one process with
+    b = 6 on the same completions (fixed by their place in each generation batch), through rounds
+    that take several generation batches and rounds that meet the cap of 2 and fill up with dropped
+    groups. Groups of 4 straddle the ranks' 6 rows, so kept rows move between ranks."""
+    from test_train import rows, torchrun, weights
+    from test_train_hf import write_gsm8k
+
+    script = tmp_path / "fixed_rollout.py"
+    script.write_text(FIXED_ROLLOUT)
+    data = write_gsm8k(tmp_path / "prompts.jsonl", range(8))
+    options = [f"model.path={qwen_dir}", "data.task=jsonl", f"data.path={data}", "data.prompt_column=question",
+               "data.num_eval=0", "rollout.num_generations=4", "rollout.max_completion_length=6",
+               "rollout.filter_groups=true", "rollout.max_num_gen_batches=2",
+               "loss.reward_funcs=['conftest:token_reward_if_odd_sum']", "train.steps_per_generation=2",
+               "train.gradient_accumulation_steps=2", "train.learning_rate=0.01", "train.max_steps=4",
+               "train.max_grad_norm=0.5", "train.device=cpu", "train.bf16=false"]
+
+    def args(run, b):
+        return ["train", *(a for o in [*options, f"train.output_dir={run}", f"train.per_device_train_batch_size={b}"]
+                           for a in ("--set", o))]
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    out = subprocess.run([sys.executable, str(script), *args(one, 6)], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = torchrun(tmp_path, *args(two, 3), script=script)
+    assert out.returncode == 0, out.stderr[-3000:]
+    margins = [float(x) for f in tmp_path.glob("margins-*.txt") for x in f.read_text().split()]
+    assert min(margins) > 1e-5, f"a ratio sits {min(margins):.1e} from a clip bound"
+    a, b = rows(one), rows(two)
+    counts = ("dynamic_sampling/gen_batches", "dynamic_sampling/groups_kept", "reward/mean", "frac_reward_zero_std")
+    assert [[r[k] for k in counts] for r in b] == [[r[k] for k in counts] for r in a]
+    assert {r["dynamic_sampling/gen_batches"] for r in a} == {1, 2}  # rounds of one batch, and of two
+    assert min(r["dynamic_sampling/groups_kept"] for r in a) < 3  # a round at the cap, filled up
+    assert [r["grad_norm"] for r in b] == pytest.approx([r["grad_norm"] for r in a], rel=1e-5)
+    wa, wb, init = weights(one / "checkpoint-4" / "model"), weights(two / "checkpoint-4" / "model"), weights(qwen_dir)
+    for name in wa:
+        moved = wa[name] - init[name]
+        assert (wb[name] - init[name] - moved).norm() <= 1e-3 * moved.norm(), name

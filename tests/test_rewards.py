@@ -296,3 +296,44 @@ def test_a_missing_function_names_the_imported_file_and_the_nearest_name(tmp_pat
     with pytest.raises(ValueError, match=rf"'typo_rewards' was imported from {re.escape(str(tmp_path))}.typo_rewards"
                                          r".py; did you mean 'length_reward'\?"):
         get_reward_funcs(["typo_rewards:length_rewrd"])
+
+
+# ---- DAPO's soft overlong punishment ----
+
+@pytest.mark.parametrize("max_len, cache", [(20, 5), (16, 16), (12, 0), (7, 1)])
+def test_soft_overlong_punishment_equals_trls_on_every_length(max_len, cache):
+    """Every length from 0 to past L_max, against TRL's own get_soft_overlong_punishment (the same
+    float operations, so exactly equal): 0, then down to -1 over the cache, then -1."""
+    trl_rewards = pytest.importorskip("trl.rewards", reason="TRL is the reference")
+    ids = [[7] * length for length in range(max_len + 4)]
+    (ours,) = get_reward_funcs(["soft_overlong_punishment"], soft_punish=(max_len, cache))
+    theirs = trl_rewards.get_soft_overlong_punishment(max_completion_len=max_len, soft_punish_cache=cache)
+    assert ours(prompts=[""] * len(ids), completions=[""] * len(ids), completion_ids=ids) == theirs(ids)
+
+
+def test_soft_overlong_punishment_is_dapos_eq_13():
+    (reward,) = get_reward_funcs(["soft_overlong_punishment"], soft_punish=(20, 4))
+    lengths = [0, 16, 17, 18, 20, 21]
+    assert reward(completion_ids=[[1] * n for n in lengths]) == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+
+
+def test_soft_overlong_punishment_counts_the_models_tokens_not_the_tool_results():
+    """With tools, completion_ids hold the tool results too; the reward counts the tool mask's ones,
+    the completion length the trainer uses (TRL's reward counts every id)."""
+    (reward,) = get_reward_funcs(["soft_overlong_punishment"], soft_punish=(10, 4))
+    ids = [[1] * 12, [1] * 12]  # 12 ids: 9 the model's and 3 a tool's, then 12 the model's
+    mask = [[1] * 5 + [0] * 3 + [1] * 4, [1] * 12]
+    assert reward(completion_ids=ids, tool_mask=mask) == [-0.75, -1.0]
+    assert reward(completion_ids=ids) == [-1.0, -1.0]
+
+
+def test_soft_overlong_punishment_scores_through_score_completions_with_a_tool_mask():
+    (reward,) = get_reward_funcs(["soft_overlong_punishment"], soft_punish=(4, 2))
+    R = score_completions([reward], ["p", "p"], ["c", "c"], {},
+                          extra={"completion_ids": [[1, 2, 3], [1, 2, 3]], "tool_mask": [[1, 1, 1], [1, 0, 0]]})
+    assert R[:, 0].tolist() == [-0.5, 0.0]
+
+
+def test_soft_overlong_punishment_needs_its_cache():
+    with pytest.raises(ValueError, match=r"needs its L_cache: set loss\.soft_punish_cache"):
+        get_reward_funcs(["soft_overlong_punishment"], soft_punish=(20, None))

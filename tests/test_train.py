@@ -24,6 +24,7 @@ import rlcore.rollout.completions
 import rlcore.run.rundir
 import rlcore.run.steplog
 import rlcore.train
+from rlcore import RlcoreWarning
 from rlcore.cli import DEFAULT_CONFIG, main
 from rlcore.config import load_config
 from rlcore.data.datasets import DataError
@@ -528,6 +529,129 @@ print(held.hblkhd >> 20, libc.mallinfo2().arena >> 20)
         assert mmapped_mib >= 256 and heap_after_free_mib < 256, out.stdout
 
 
+# ----------------------------------------------------------------------------- dynamic sampling
+
+def first_digit_if_odd_sum(prompts, completions, answer, **columns):
+    """`first_digit` for the prompts whose answer is odd, 0.5 for the others: only about half the
+    groups can have rewards that differ."""
+    return [first_digit([p], [c])[0] if int(a) % 2 else 0.5 for p, c, a in zip(prompts, completions, answer)]
+
+
+def completions_by_step(run) -> dict[int, list[dict]]:
+    out = {}
+    for line in (run / "completions.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        out.setdefault(record["step"], []).append(record)
+    return out
+
+
+def judged(record, name="first_digit_if_odd_sum") -> float:
+    return record["rewards"][f"{__name__}:{name}"]
+
+
+FILTERED = ["rollout.filter_groups=true", "train.log_completions=true", "train.num_completions_to_print=0"]
+
+
+def test_dynamic_sampling_trains_on_groups_whose_judged_rewards_differ_with_their_own_advantages(tmp_path):
+    """With rollout.filter_groups_metric naming one of two reward functions, every group a round
+    trains on has scores of that function that differ (the other function varies in every group);
+    its advantages are those of its own group, as without the filter. A round samples generation
+    batches of N/G = 4 prompts until 4 groups are kept, and the data position moves by every
+    prompt sampled: the rounds' prompts are the stream's, in order, with the dropped ones skipped."""
+    run = tmp_path / "run"
+    train(config(run, "train.max_steps=4", *FILTERED, "rollout.filter_groups_metric="
+                 f"{__name__}:first_digit_if_odd_sum",
+                 f"loss.reward_funcs=['{__name__}:first_digit_if_odd_sum', '{__name__}:first_digit']"))
+    metrics, logged = rows(run), completions_by_step(run)
+    assert [len(logged[step]) for step in (1, 2, 3, 4)] == [16] * 4
+    for step, records in logged.items():
+        for k in range(0, 16, 4):
+            group = records[k:k + 4]
+            assert len({judged(r) for r in group}) > 1 and len({r["prompt"] for r in group}) == 1
+            total = torch.tensor([sum(r["rewards"].values()) for r in group], dtype=torch.float64)
+            want = (total - total.mean()) / (total.std() + 1e-4)
+            assert [r["advantage"] for r in group] == pytest.approx(want.tolist(), abs=1e-5)
+    batches = [m["dynamic_sampling/gen_batches"] for m in metrics]
+    assert max(batches) > 1  # some round needed more prompts than one batch holds
+    assert [m["dynamic_sampling/groups_sampled"] for m in metrics] == [4 * b for b in batches]
+    assert all(4 <= m["dynamic_sampling/groups_kept"] <= m["dynamic_sampling/groups_sampled"] for m in metrics)
+    consumed = [m["dynamic_sampling/prompts_consumed"] for m in metrics]
+    assert consumed == [4 * sum(batches[:i + 1]) for i in range(4)]
+    assert all(m["frac_reward_zero_std"] == 0.0 for m in metrics)  # the total varies in every group anyway
+    stream = rlcore.train.next_prompts(load_examples_of(run), 0, consumed[-1], 42)
+    trained = [r["prompt"] for step in (1, 2, 3, 4) for r in logged[step][::4]]
+    positions = [next(i for i in range(len(stream)) if stream[i]["prompt"] == p) for p in trained]
+    assert positions == sorted(positions) and all(int(stream[i]["answer"]) % 2 for i in positions)
+
+
+def load_examples_of(run) -> list[dict]:
+    from rlcore.data.datasets import load_examples
+
+    return load_examples(load_config(str(run / "config.toml")).data)[0]
+
+
+def test_dynamic_sampling_at_its_cap_fills_the_round_with_dropped_groups_and_warns(tmp_path):
+    """docs/loop.md's rule: a round that reaches rollout.max_num_gen_batches with fewer than N/G
+    kept groups trains on them first, then on groups the filter dropped, first sampled first, to
+    make N/G: every rank holds its n rows, and those groups train as without the filter (the
+    judged rewards are the only ones here, so their advantages are all 0)."""
+    run = tmp_path / "run"
+    with pytest.warns(RlcoreWarning, match=r"dynamic sampling kept \d of 4 groups in 1 generation batches "
+                                           r"\(rollout\.max_num_gen_batches = 1\); the round trains on them and on "
+                                           r"\d more that the filter dropped"):
+        train(config(run, "train.max_steps=6", *FILTERED, "rollout.max_num_gen_batches=1",
+                     f"loss.reward_funcs=['{__name__}:first_digit_if_odd_sum']"))
+    metrics, logged = rows(run), completions_by_step(run)
+    assert all(m["dynamic_sampling/gen_batches"] == 1 for m in metrics)
+    short = [m["step"] for m in metrics if m["dynamic_sampling/groups_kept"] < 4]
+    assert short  # with 4 prompts a batch and about half of them odd
+    for m in metrics:
+        records, kept = logged[m["step"]], m["dynamic_sampling/groups_kept"]
+        assert len(records) == 16 and m["frac_reward_zero_std"] == (4 - kept) / 4
+        for k in range(0, 16, 4):
+            group = records[k:k + 4]
+            assert (len({judged(r) for r in group}) > 1) == (k < 4 * kept)  # the kept ones first
+            if k >= 4 * kept:
+                assert all(r["advantage"] == 0.0 for r in group)
+
+
+def test_dynamic_sampling_that_keeps_no_group_at_its_cap_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match=r"dynamic sampling kept no group in 2 generation batches of 4 prompts "
+                                         r"\(rollout\.max_num_gen_batches = 2\).*raise "
+                                         r"rollout\.max_num_gen_batches \(0 = no cap\)"):
+        train(config(tmp_path / "run", "train.max_steps=2", "rollout.filter_groups=true",
+                     "rollout.max_num_gen_batches=2", f"loss.reward_funcs=['{__name__}:constant']"))
+
+
+def constant(prompts, completions, **columns):
+    return [1.0] * len(completions)
+
+
+@pytest.mark.filterwarnings("ignore:step .* dynamic sampling kept")  # the test model seldom varies: the cap
+def test_the_dapo_recipe_trains_with_its_four_techniques_and_a_sampled_evaluation(tmp_path):
+    """configs/dapo.toml, shortened to two rounds: clip-higher (off-policy, two steps a round), the
+    token-level loss, dynamic sampling judged on accuracy alone, the overlong penalty beside it, no
+    KL; every group it trains on differs in accuracy, and the evaluation reports mean@8, pass@k, maj@8."""
+    run = tmp_path / "run"
+    cfg = load_config(str(Path(__file__).parent.parent / "configs" / "dapo.toml"),
+                      [f"data.seed={SEED}", f"data.num_eval={NUM_EVAL}", "data.num_train=256", "train.max_steps=4",
+                       "train.per_device_train_batch_size=32", "train.eval_steps=0", "train.save_steps=0",
+                       "train.log_completions=true", "train.num_completions_to_print=0", f"train.output_dir={run}"])
+    assert (cfg.loss.epsilon, cfg.loss.epsilon_high, cfg.loss.loss_type, cfg.loss.beta) == (0.2, 0.28, "dapo", 0.0)
+    train(cfg)
+    metrics, logged = rows(run), completions_by_step(run)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4] and all("kl_old/k3" in m for m in metrics)  # off-policy
+    assert sorted(logged) == [1, 3]  # a round of 32 prompts (S = 2), 8 completions each, two steps
+    for m in metrics[::2]:
+        records, kept = logged[m["step"]], min(m["dynamic_sampling/groups_kept"], 8)
+        assert len(records) == 64 and m["frac_reward_zero_std"] == (8 - kept) / 8
+        for k in range(0, 64, 8):  # the kept groups first, then (at the cap) dropped ones
+            assert (len({r["rewards"]["accuracy"] for r in records[k:k + 8]}) == 2) == (k < 8 * kept)
+            assert {r["rewards"]["soft_overlong_punishment"] for r in records[k:k + 8]} <= {0.0, -1.0}
+    final = json.loads((run / "eval.jsonl").read_text().splitlines()[-1])
+    assert {"eval/accuracy", "eval/mean@8", "eval/pass@1", "eval/pass@8", "eval/maj@8"} <= set(final)
+
+
 # ----------------------------------------------------------------------------- resume and crashes
 
 def test_a_run_ended_inside_a_round_says_so(tmp_path, capsys):
@@ -625,6 +749,11 @@ RESUMED_OPTIONS = {  # with test_train_options.py's synced reference and adaptiv
     "vespo, bf16, min_p, GA = 2, entropy bonus": ["loss.policy_loss=vespo", "train.bf16=true", "rollout.min_p=0.1",
                                                   "train.per_device_train_batch_size=8",
                                                   "train.gradient_accumulation_steps=2", "loss.entropy_coef=0.01"],
+    # several generation batches a round, the data position past N/G prompts a round, a cap met
+    "dynamic sampling with a cap, GA = 2": ["rollout.filter_groups=true", "rollout.max_num_gen_batches=2",
+                                            f"loss.reward_funcs=['{__name__}:first_digit_if_odd_sum']",
+                                            "train.per_device_train_batch_size=8",
+                                            "train.gradient_accumulation_steps=2"],
 }
 
 
@@ -1029,8 +1158,8 @@ def by_prompt_rewards():
     scored), the second's None; log_metric("custom/batch") records each call's prompt count."""
     from rlcore.evaluation import EvalRewards
 
-    def score(prompts, completions, columns, completion_ids, logged, environments):
-        assert len(completion_ids) == len(completions) and environments is None  # no tools
+    def score(prompts, completions, columns, completion_ids, logged, tool_kwargs):
+        assert len(completion_ids) == len(completions) and tool_kwargs == {}  # no tools
         logged["custom/batch"].append(float(len(prompts)))
         i = [int(p.split("+")[0]) for p in prompts]
         return torch.tensor([[math.nan if k % 3 == 0 else float(k), math.nan] for k in i])

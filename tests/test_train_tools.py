@@ -307,3 +307,26 @@ def test_a_prompt_that_reset_makes_too_long_is_an_error_naming_the_limit(model_d
     with pytest.raises(ValueError, match="Verbose.reset appended, over data.max_prompt_length = 1000"):
         train(config(model_dir, tmp_path / "run", "data.task=jsonl", f"data.path={data}",
                      f"rollout.environment_factory={__name__}:Verbose"))
+
+
+def test_the_overlong_punishment_counts_the_models_tokens_and_dynamic_sampling_keeps_the_tool_counts(
+        model_dir, tmp_path, monkeypatch):
+    """soft_overlong_punishment with tools gets the tool mask and scores the model's own tokens (the
+    length the trainer counts, completions.jsonl's `length`), not the tool results in completion_ids;
+    through dynamic sampling's round the tools/* metrics are the rows' own."""
+    from rlcore.rewards.lengths import overlong_punishment
+
+    tok, record = Tokenizer.from_dir(model_dir), []
+    monkeypatch.setattr(rlcore.rollout.completions, "generate", tool_calling_generate(tok, record))
+    run = tmp_path / "run"
+    train(config(model_dir, run, "loss.reward_funcs=['soft_overlong_punishment']", "loss.soft_punish_cache=40",
+                 "loss.soft_punish_max_completion_len=100", "rollout.filter_groups=true", "train.log_completions=true",
+                 "train.num_completions_to_print=0"))
+    logged = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    assert [r["length"] for r in logged] == [own for _, own, *_ in record]
+    assert [r["rewards"]["soft_overlong_punishment"] for r in logged] == \
+        pytest.approx([overlong_punishment(own, 100, 40) for _, own, *_ in record])
+    assert any(overlong_punishment(len(ids), 100, 40) != overlong_punishment(own, 100, 40) for ids, own, *_ in record)
+    row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["dynamic_sampling/groups_kept"] == 2 and row["dynamic_sampling/gen_batches"] == 1
+    assert row["tools/call_frequency"] == 0.5 and row["tools/failure_frequency"] == 0.5 and row["tools/turns"] == 0.5

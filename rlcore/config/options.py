@@ -88,6 +88,12 @@ class RolloutArgs:
     """most tool-calling turns per completion (TRL's name); None = until max_completion_length"""
     tool_timeout: float = 30.0
     """seconds a tool call may run before the model gets a timeout error as its result"""
+    filter_groups: bool = False
+    """dynamic sampling (DAPO): keep only groups whose rewards differ, sampling more prompts until the round is full"""
+    filter_groups_metric: str | None = None
+    """what dynamic sampling judges: None = the weighted total reward, or one name of loss.reward_funcs"""
+    max_num_gen_batches: int = 0
+    """dynamic sampling: most generation batches per round (0 = no cap); at the cap the round trains on what it has"""
 
 
 @dataclass
@@ -164,6 +170,10 @@ class LossArgs:
     """completions a reward model (a reward_funcs checkpoint dir) scores per forward pass"""
     reward_on_error: Literal["raise", "none"] = "raise"
     """a reward function that raises stops the run ("raise") or scores that completion None ("none")"""
+    soft_punish_cache: int | None = None
+    """soft_overlong_punishment's L_cache: lengths in (L_max - L_cache, L_max] score 0 down to -1 (DAPO eq. 13)"""
+    soft_punish_max_completion_len: int | None = None
+    """soft_overlong_punishment's L_max, past which a completion scores -1; None = rollout.max_completion_length"""
 
 
 @dataclass
@@ -232,6 +242,12 @@ class TrainArgs:
     """stop after this many consecutive steps with a non-finite loss or gradient (they are skipped)"""
     eval_max_completion_length: int | None = None
     """most tokens per completion at evaluation (greedy); None = rollout.max_completion_length"""
+    eval_num_generations: int = 1
+    """n: completions per held-out prompt; n > 1 samples n besides the greedy one, for eval/mean@n, pass@k, maj@n"""
+    eval_temperature: float | None = None
+    """sampling temperature of the n > 1 held-out completions; None = rollout.temperature"""
+    eval_pass_at_k: list[int] | None = None
+    """the k of eval/pass@k (each <= eval_num_generations); None = [1, eval_num_generations]"""
     report_to: str | list[str] = "none"
     """trackers that also get metrics, evaluations and config: 'tensorboard', 'wandb', 'trackio', a list, or 'none'"""
     run_name: str | None = None
@@ -302,7 +318,9 @@ PATH_OPTIONS = (("model", "path"), ("model", "ref_path"), ("data", "path"), ("da
 class Config:
     """The six sections; defaults that depend on another field are filled in as TRL does in
     `__post_init__`: train.steps_per_generation (= GA), loss.epsilon_high (= epsilon), rollout.seed
-    (= train.seed), train.eval_max_completion_length (= max_completion_length)."""
+    (= train.seed), train.eval_max_completion_length (= max_completion_length),
+    loss.soft_punish_max_completion_len (= max_completion_length) and train.eval_pass_at_k (= [1,
+    eval_num_generations])."""
 
     model: ModelArgs = field(default_factory=ModelArgs)
     """the policy checkpoint"""
@@ -338,3 +356,7 @@ class Config:
             self.rollout.seed = self.train.seed
         if self.train.eval_max_completion_length is None:
             self.train.eval_max_completion_length = self.rollout.max_completion_length
+        if self.loss.soft_punish_max_completion_len is None:
+            self.loss.soft_punish_max_completion_len = self.rollout.max_completion_length
+        if self.train.eval_pass_at_k is None:
+            self.train.eval_pass_at_k = sorted({1, self.train.eval_num_generations})

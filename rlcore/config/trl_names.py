@@ -28,6 +28,7 @@ if typing.TYPE_CHECKING:
 # Top-level keys that are not a field name of exactly one section: TRL names and the shared seed.
 FLAT_ALIASES = {"seed": ("train", "seed"), "model_name_or_path": ("model", "path"),
                 "activation_checkpointing": ("train", "gradient_checkpointing"),  # transformers 5's name
+                "num_generations_eval": ("train", "eval_num_generations"),
                 # TRL's ModelConfig (PEFT's LoraConfig names)
                 "use_peft": ("lora", "enabled"), "lora_r": ("lora", "r"), "lora_alpha": ("lora", "alpha"),
                 "lora_dropout": ("lora", "dropout"), "lora_target_modules": ("lora", "target_modules")}
@@ -58,7 +59,6 @@ TRL_ONLY: dict[str, tuple[object, str]] = {
     "hub_model_id": (ANY, "rlcore cannot reach a model hub"),
     "push_to_hub": ((False,), "rlcore cannot reach a model hub; upload train.output_dir/checkpoint-<step>/model yourself"),
     "per_device_eval_batch_size": (ANY, "rlcore's greedy evaluation batches itself"),
-    "num_generations_eval": (ANY, "rlcore evaluates one greedy completion per held-out prompt"),
     "dataloader_num_workers": (ANY, "rlcore reads its prompts in the training process"),
     # what the model and data pipeline already do
     "disable_dropout": (ANY, "rlcore's models have no dropout"),
@@ -196,11 +196,27 @@ FOREIGN = {
                          " actor.clip_ratio_low / clip_ratio_high -> loss.epsilon / loss.epsilon_high, "
                          "actor.clip_ratio_c -> loss.delta, actor.kl_loss_coef -> loss.beta, actor.loss_agg_mode -> "
                          "loss.loss_type (`rlcore options` lists them all)",
-    "algorithm": "verl's; rlcore's advantages are GRPO's (loss.scale_rewards), its KL is loss.beta",
+    "algorithm": "verl's; rlcore's advantages are GRPO's (loss.scale_rewards), its KL is loss.beta, and "
+                 "algorithm.filter_groups (DAPO's dynamic sampling) is rollout.filter_groups (enable), "
+                 "rollout.filter_groups_metric (metric: a name in loss.reward_funcs, or none for the total "
+                 "reward) and rollout.max_num_gen_batches",
+    "overlong_buffer": "verl's reward_model.overlong_buffer (DAPO's overlong shaping): rlcore's is the "
+                       "'soft_overlong_punishment' reward in loss.reward_funcs, len -> loss.soft_punish_cache, "
+                       "penalty_factor -> its weight in loss.reward_weights",
+    "overlong_buffer_len": "OpenRLHF's; rlcore's is the 'soft_overlong_punishment' reward in loss.reward_funcs "
+                           "with loss.soft_punish_cache",
+    "overlong_penalty_factor": "OpenRLHF's; rlcore's is the weight of 'soft_overlong_punishment' in "
+                               "loss.reward_weights",
+    "dynamic_filtering": "OpenRLHF's; rlcore's dynamic sampling is rollout.filter_groups, verl's rule: it keeps "
+                         "the groups whose rewards differ (OpenRLHF: whose mean reward is inside a range)",
+    "dynamic_filtering_reward_range": "OpenRLHF's; rlcore's dynamic sampling (rollout.filter_groups) keeps the "
+                                      "groups whose rewards differ, verl's rule, and has no range",
     "trainer": "verl's; rlcore's are train.max_steps, train.save_steps, train.output_dir, ...",
     "critic": "verl's; GRPO has no critic",
     "reward_model": "verl's; rlcore's reward models are loss.reward_funcs entries: a reward model's checkpoint "
-                    "directory (verl's reward_model.model.path), beside Python functions",
+                    "directory (verl's reward_model.model.path), beside Python functions; its overlong_buffer "
+                    "(DAPO's overlong shaping) is the 'soft_overlong_punishment' reward, len -> "
+                    "loss.soft_punish_cache, penalty_factor -> its weight in loss.reward_weights",
     "train_files": "verl's; rlcore reads one JSONL file: data.path (data.task = 'jsonl')",
     "val_files": "verl's; rlcore's held-out file is data.eval_path",
     "train_batch_size": "verl's prompts per step; rlcore's round is train.per_device_train_batch_size x "

@@ -88,7 +88,8 @@ def validate(config: Config, world_size: int = 1) -> None:
             geometry = dataclasses.replace(geometry, S=geometry.GA)  # the rest is checked as if it were unset
     G, b, GA, S = geometry.G, geometry.b, geometry.GA, geometry.S
     need(G >= 2, f"rollout.num_generations = {G} must be >= 2: advantages compare completions "
-                 f"of the same prompt; use 8 (TRL's default)")
+                 f"of the same prompt" + (", and rollout.filter_groups keeps a group only when its rewards differ"
+                                          if rollout.filter_groups else "") + "; use 8 (TRL's default)")
     for key, value in (("per_device_train_batch_size", b), ("gradient_accumulation_steps", GA),
                        ("steps_per_generation", S if S != GA else 1)):  # S = GA when unset: GA's error says it
         need(value >= 1, f"train.{key} = {value} must be >= 1")
@@ -148,6 +149,7 @@ def validate(config: Config, world_size: int = 1) -> None:
          f"rollout.max_tool_calling_iterations = {rollout.max_tool_calling_iterations} must be >= 0 and needs "
          f"rollout.tools or rollout.environment_factory; none = no limit")
     need(rollout.tool_timeout > 0, f"rollout.tool_timeout = {rollout.tool_timeout} must be > 0 seconds (e.g. 30.0)")
+    problems += dynamic_sampling_problems(config)
 
     need(loss.beta >= 0, f"loss.beta = {loss.beta} must be >= 0; 0.0 = no KL term")
     need(loss.off_policy_mask_threshold is None or loss.off_policy_mask_threshold > 0,
@@ -201,6 +203,7 @@ def validate(config: Config, world_size: int = 1) -> None:
             problems.append(f"loss.reward_funcs has unknown reward {name!r}{model}; built-in rewards are "
                             f"{', '.join(REWARDS)}" + (f" (did you mean {close[0]!r}?)" if close else "")
                             + ", or give your own as 'module:function', or a reward model's checkpoint directory")
+    problems += overlong_problems(config)
     judge = TASK_REWARD[data.task]  # the reward that decides held-out accuracy
     need(judge == "accuracy" or judge in loss.reward_funcs,
          f"data.task = {data.task!r} is scored by the {judge!r} reward, but loss.reward_funcs = "
@@ -293,6 +296,7 @@ def validate(config: Config, world_size: int = 1) -> None:
         need(getattr(train, key) >= 1, f"train.{key} = {getattr(train, key)} must be >= 1")
     for key in ("eval_steps", "save_steps"):
         need(getattr(train, key) >= 0, f"train.{key} = {getattr(train, key)} must be >= 0; 0 = only at the end")
+    problems += sampled_eval_problems(config)
     need(not (train.fp16 and train.bf16), "train.fp16 and train.bf16 are both true; choose one autocast dtype "
          "(bf16 where the GPU has it: no loss scaling needed)")
     need(not train.fp16 or config.model.dtype == "float32" or config.lora.enabled,
@@ -312,6 +316,77 @@ def validate(config: Config, world_size: int = 1) -> None:
     problems += lora_problems(config)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def dynamic_sampling_problems(config: Config) -> list[str]:
+    """rollout.filter_groups and its options (DAPO's dynamic sampling; verl's algorithm.filter_groups)."""
+    rollout, loss = config.rollout, config.loss
+    problems = []
+    if not rollout.filter_groups:
+        for key, off in (("filter_groups_metric", None), ("max_num_gen_batches", 0)):
+            if getattr(rollout, key) != off:
+                problems.append(f"rollout.{key} = {getattr(rollout, key)!r} is a setting of dynamic sampling, which "
+                                f"is off; set rollout.filter_groups = true, or leave rollout.{key} out")
+        return problems
+    if rollout.max_num_gen_batches < 0:
+        problems.append(f"rollout.max_num_gen_batches = {rollout.max_num_gen_batches} must be >= 0: the most "
+                        f"generation batches a round samples (0 = no cap; verl's DAPO recipe uses 10)")
+    metric = rollout.filter_groups_metric
+    if metric is not None and metric not in loss.reward_funcs:
+        close = difflib.get_close_matches(metric, loss.reward_funcs, n=1)
+        problems.append(f"rollout.filter_groups_metric = {metric!r} is not one of loss.reward_funcs = "
+                        f"{loss.reward_funcs}" + (f" (did you mean {close[0]!r}?)" if close else "") +
+                        "; name one of them, or leave it out to judge the weighted total reward")
+    return problems
+
+
+def overlong_problems(config: Config) -> list[str]:
+    """The soft_overlong_punishment reward's parameters (DAPO eq. 13; TRL's get_soft_overlong_punishment)."""
+    loss = config.loss
+    cache, longest = loss.soft_punish_cache, loss.soft_punish_max_completion_len
+    if "soft_overlong_punishment" not in loss.reward_funcs:
+        return [] if cache is None else [
+            f"loss.soft_punish_cache = {cache} is read by the soft_overlong_punishment reward, which "
+            f"loss.reward_funcs = {loss.reward_funcs} does not name; add it, or leave loss.soft_punish_cache out"]
+    problems = []
+    if longest < 1:
+        problems.append(f"loss.soft_punish_max_completion_len = {longest} must be >= 1 (L_max, in tokens; "
+                        f"none = rollout.max_completion_length)")
+    if cache is None:
+        problems.append(f"the soft_overlong_punishment reward needs loss.soft_punish_cache (L_cache): completions "
+                        f"longer than L_max - L_cache = {longest} - L_cache score below 0; DAPO punishes the last "
+                        f"fifth, e.g. loss.soft_punish_cache = {max(1, longest // 5)}")
+    elif not 0 <= cache <= longest:
+        problems.append(f"loss.soft_punish_cache = {cache} must be in [0, loss.soft_punish_max_completion_len = "
+                        f"{longest}]: the punished lengths are the last L_cache tokens before L_max (DAPO: the "
+                        f"last fifth, e.g. {max(1, longest // 5)})")
+    return problems
+
+
+def sampled_eval_problems(config: Config) -> list[str]:
+    """train.eval_num_generations (TRL's num_generations_eval), eval_temperature and eval_pass_at_k."""
+    train = config.train
+    n, ks = train.eval_num_generations, train.eval_pass_at_k
+    if n < 1:
+        return [f"train.eval_num_generations = {n} must be >= 1 (1 = the greedy evaluation alone)"]
+    problems = []
+    if n == 1 and train.eval_temperature is not None:
+        problems.append(f"train.eval_temperature = {train.eval_temperature} is the temperature of the sampled "
+                        f"held-out completions, and train.eval_num_generations = 1 samples none (the greedy one "
+                        f"alone); set train.eval_num_generations > 1 (e.g. 8), or leave eval_temperature out")
+    if n > 1 and train.eval_temperature is not None and train.eval_temperature <= 0:
+        problems.append(f"train.eval_temperature = {train.eval_temperature} must be > 0: the n = {n} held-out "
+                        f"completions per prompt are sampled (the greedy one is always there); e.g. 0.6")
+    if not ks:
+        problems.append(f"train.eval_pass_at_k = {ks} names no k; e.g. [1, {n}], or leave it out for that")
+    for k in ks:
+        if not 1 <= k <= n:
+            problems.append(f"train.eval_pass_at_k has k = {k}, outside [1, train.eval_num_generations = {n}]: "
+                            f"pass@k picks k of the n completions of a prompt; raise eval_num_generations to {k}"
+                            f" or drop it" if k > n else f"train.eval_pass_at_k has k = {k}; each k must be >= 1")
+    if len(set(ks)) != len(ks):
+        problems.append(f"train.eval_pass_at_k = {ks} lists a k twice; list each once")
+    return problems
 
 
 def lora_problems(config: Config) -> list[str]:

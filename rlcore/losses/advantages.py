@@ -21,6 +21,15 @@ def _nanstd(x: Tensor, dim: int) -> Tensor:
     return var.where(count > 1, torch.nan).sqrt().squeeze(dim)
 
 
+def varied_groups(rewards: Tensor, num_generations: int) -> Tensor:
+    """[N / G] bool: which groups of G contiguous rows of r [N] (NaN = unscored) hold at least two
+    distinct valid rewards. The others teach nothing (their advantages are all 0); DAPO's dynamic
+    sampling keeps only these."""
+    groups = rewards.view(-1, num_generations)
+    valid = ~groups.isnan()
+    return groups.where(valid, -torch.inf).amax(dim=1) > groups.where(valid, torch.inf).amin(dim=1)
+
+
 def weighted_rewards(rewards: Tensor, weights: Tensor) -> Tensor:
     """r [N] = nansum_f(w_f * R_f) from R [N, F] and w [F] (SPEC 2), NaN where every function
     returned None (no function could score the completion)."""
@@ -84,10 +93,7 @@ def compute_advantages(
     elif scale == "batch":
         adv = adv / (_nanstd(r, dim=0) + 1e-4)
     # (r - mean) of equal floats is not exactly 0 in floating point, so zero such groups explicitly
-    valid = ~groups.isnan()
-    top = groups.where(valid, -torch.inf).amax(dim=1)
-    bottom = groups.where(valid, torch.inf).amin(dim=1)
-    zero_std = ~(top > bottom)
+    zero_std = ~varied_groups(r, num_generations)
     adv = adv.masked_fill(zero_std[:, None] | adv.isnan(), 0.0).view(-1)
     if multi_objective_aggregation == "normalize_then_sum":
         per_func = rewards.view(-1, num_generations, num_funcs)

@@ -6,9 +6,11 @@
 - `format`: 1.0 for R1's `<think>...</think><answer>...</answer>` layout.
 - `countdown`: 1.0 when the proposed expression uses each number once and hits the target,
   evaluated with `ast`, never `eval`.
+- `soft_overlong_punishment`: DAPO's length penalty (lengths.py), made from two [loss] options.
 
 Each has the shape rewards.py describes, `fn(prompts, completions, **columns) -> list[float | None]`;
-`REWARDS` maps the names a config gives (loss.reward_funcs) to them.
+`REWARDS` maps the names a config gives (loss.reward_funcs) to them, and for a built-in with
+parameters to the factory that makes it from them (`scoring.get_reward_funcs` calls it).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import ast
 import re
 from collections.abc import Callable
 from fractions import Fraction
+
+from rlcore.rewards.lengths import soft_overlong_punishment
 
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 # A number: optional sign (ASCII or Unicode minus, not a binary minus as in "7-3"), thousands
@@ -186,7 +190,8 @@ def countdown(prompts: list, completions: list, numbers: list | None = None,
             for c, nums, tgt in zip(completions, numbers, target)]
 
 
-REWARDS: dict[str, Callable[..., list]] = {"accuracy": accuracy, "format": format_reward, "countdown": countdown}
+REWARDS: dict[str, Callable] = {"accuracy": accuracy, "format": format_reward, "countdown": countdown,
+                                "soft_overlong_punishment": soft_overlong_punishment}  # a factory: (L_max, L_cache)
 
 
 def accuracy_on(column: str) -> Callable[..., list]:

@@ -12,19 +12,24 @@ The keywords are TRL's (`reward_inputs` builds them):
   when train.log_completions is on, else it is dropped;
 - every dataset column, one value per completion, as the file holds it (a prompt's columns
   repeated for its G completions; None where a row lacks a column other rows have). A column
-  named as one of the keywords above is an error when the dataset loads.
+  named as one of the keywords above is an error when the dataset loads;
+- with tools (rollout.tools), `tool_mask`: per completion, 1 for each of its `completion_ids`
+  the model wrote and 0 for each of a tool result's (TRL keeps it to itself; rlcore's
+  `soft_overlong_punishment` counts the model's tokens with it), and with an environment
+  factory `environments`, one per completion.
 A function with `**kwargs` receives all of them; one without gets those it names. It returns
 one float (or bool) per completion, or None (or NaN) where it cannot score that completion (for
 example, the row has no reference answer); SPEC section 2 says how None enters the advantages.
 An infinite score (or one past float32's range) is an error. Async functions are awaited.
 `score_completions` makes these calls and stacks the scores into R [N, F].
 
-The built-in ones (`accuracy`, `format`, `countdown`) are in answers.py, and a reward model (a
-sequence classifier's checkpoint directory) is reward_model.py's `RewardModel`. Your own has the
-same shape; name it in the config as "module:function", with the module importable: from the
-current directory (the command line puts it on the path) or PYTHONPATH. An object with
-`__call__` works too (name the instance, not its class). Its signature is checked against these
-keywords before the run starts (`check_reward_funcs`).
+The built-in ones (`accuracy`, `format`, `countdown`) are in answers.py, `soft_overlong_punishment`
+is in lengths.py, and a reward model (a sequence classifier's checkpoint directory) is
+reward_model.py's `RewardModel`. Your own has the same shape; name it in the config as
+"module:function", with the module importable: from the current directory (the command line puts
+it on the path) or PYTHONPATH. An object with `__call__` works too (name the instance, not its
+class). Its signature is checked against these keywords before the run starts
+(`check_reward_funcs`).
 """
 
 from __future__ import annotations
@@ -138,7 +143,8 @@ def score_completions(
 
     Each function is called as fn(prompts=..., completions=..., **extra, **columns), where
     `extra` holds what TRL passes besides the columns (completion_ids, trainer_state,
-    log_metric, log_extra, and with an environment factory environments, one per row); a function without **kwargs gets only the arguments it names. An
+    log_metric, log_extra, with an environment factory environments, and with tools tool_mask, one
+    per row); a function without **kwargs gets only the arguments it names. An
     async function is awaited. It must return one number (bools count as 0/1) or None per
     completion, as a list, tuple, numpy array or 1-D tensor; NaN counts as None (TRL turns None
     into NaN); an infinite score, or one past float32's range, is an error. A function that
@@ -155,8 +161,8 @@ def score_completions(
         name = _name(fn)
         kwargs = _arguments_for(fn, name, {"prompts": prompts, "completions": completions, **(extra or {}),
                                            **columns})
-        per_row = [key for key in kwargs
-                   if key in columns or key in ("prompts", "completions", "completion_ids", "environments")]
+        per_row = [key for key in kwargs if key in columns or
+                   key in ("prompts", "completions", "completion_ids", "environments", "tool_mask")]
         try:
             values = _call(fn, kwargs)
         except ImportError as err:  # a package it needs is missing: no sample would score, reward_on_error or not
@@ -288,17 +294,23 @@ def names_reward_model(name: str) -> bool:
 
 
 def get_reward_funcs(names: list[str], answer_column: str = "answer",
-                     load_reward_model: Callable[[str], RewardFunc] | None = None) -> list[RewardFunc]:
+                     load_reward_model: Callable[[str], RewardFunc] | None = None,
+                     soft_punish: tuple[int | None, int | None] | None = None) -> list[RewardFunc]:
     """The reward functions for config names: built-in (REWARDS), "module:function" of your own, or
     a reward model's checkpoint directory, which `load_reward_model` loads (setup passes
     reward_model.RewardModel.load with the run's device and dtype). `answer_column`: the dataset
-    column with the reference answers, which `accuracy` compares with."""
+    column with the reference answers, which `accuracy` compares with; `soft_punish`: (L_max,
+    L_cache) of `soft_overlong_punishment` (loss.soft_punish_max_completion_len, loss.soft_punish_cache)."""
     funcs = []
     for name in names:
         if ":" in name:
             funcs.append(load_reward_func(name))
         elif name == "accuracy":
             funcs.append(accuracy_on(answer_column))
+        elif name == "soft_overlong_punishment":
+            if soft_punish is None or soft_punish[1] is None:
+                raise ValueError("the soft_overlong_punishment reward needs its L_cache: set loss.soft_punish_cache")
+            funcs.append(REWARDS[name](*soft_punish))
         elif name in REWARDS:
             funcs.append(REWARDS[name])
         elif load_reward_model is not None and Path(name).is_dir():

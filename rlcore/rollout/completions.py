@@ -3,7 +3,8 @@
 `sample_completions` gives each row one completion from the engine (`generate`): its prompt ids,
 or with tools the prompt its environment's reset made and a `ToolTurns` that runs the calls of
 each turn (tools/turns.py). `completion_token_ids` and `completion_texts` are the completions as
-the reward functions get them: token ids, and text (with tools, TRL's list of messages).
+the reward functions get them: token ids, and text (with tools, TRL's list of messages), and
+`completion_tool_masks` which of their tokens the model wrote.
 """
 
 from __future__ import annotations
@@ -47,3 +48,22 @@ def completion_texts(tok: Tokenizer, completion_ids: list[list[int]], turns: Too
     if turns:
         return turns.conversations(completion_ids)
     return [tok.decode(ids, skip_special_tokens=True) for ids in completion_ids]
+
+
+def completion_tool_masks(rollout: Rollout) -> list[list[int]] | None:
+    """Each completion's tool mask, without its padding: 1 for a token the model wrote, 0 for a tool
+    result's (None without tools)."""
+    if rollout.tool_mask is None:
+        return None
+    return [mask[:n].tolist() for mask, n in zip(rollout.tool_mask, rollout.lengths.tolist())]
+
+
+def tool_reward_kwargs(rollout: Rollout, turns: ToolTurns | None) -> dict:
+    """What a rollout with tools adds to the reward functions' keywords: `tool_mask`
+    (`completion_tool_masks`) and, with an environment factory, TRL's `environments`; {} without tools."""
+    if turns is None:
+        return {}
+    kwargs = {"tool_mask": completion_tool_masks(rollout)}
+    if turns.environments and turns.environments[0] is not None:
+        kwargs["environments"] = turns.environments
+    return kwargs

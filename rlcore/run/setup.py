@@ -318,10 +318,12 @@ def setup(cfg: Config, resume: str | os.PathLike | RunDir | None = None) -> Run:
         RewardModel.load, device=device, dtype=cfg.model.dtype, batch_size=loss_cfg.reward_model_batch_size,
         chat_template_kwargs=cfg.data.chat_template_kwargs,
         conversational=any(isinstance(ex["prompt"], list) for ex in train_set + eval_set))
-    reward_funcs = get_reward_funcs(loss_cfg.reward_funcs, answer_column, load_reward_model)
+    reward_funcs = get_reward_funcs(loss_cfg.reward_funcs, answer_column, load_reward_model,
+                                    (loss_cfg.soft_punish_max_completion_len, loss_cfg.soft_punish_cache))
     columns = dataset_columns(train_set)  # passed to every reward call, None where a row lacks one
     environments = ["environments"] if cfg.rollout.environment_factory else []  # TRL passes them to every call
-    check_reward_funcs(reward_funcs, ["prompts", "completions", *REWARD_EXTRAS, *environments, *columns])
+    tool_mask = ["tool_mask"] if cfg.rollout.tools or cfg.rollout.environment_factory else []  # with tools
+    check_reward_funcs(reward_funcs, ["prompts", "completions", *REWARD_EXTRAS, *environments, *tool_mask, *columns])
     model_dir = (Path(cfg.model.path) if cfg.model.path not in EMBEDDED_MODEL_PATHS
                  else embedded_model_dir(cfg, rank, world))
     check_model_dir(model_dir)  # before its tokenizer: an rlcore checkpoint or a LoRA adapter is named as such

@@ -16,7 +16,7 @@ import torch
 from rlcore.losses.metrics import rollout_mismatch
 from rlcore.parallel import collectives
 from rlcore.run.state import RunState
-from rlcore.tools.turns import ToolTurns
+from rlcore.tools.turns import ToolCounts, ToolTurns
 
 
 def reduce_metrics(parts: list[dict], world: int = 1, device: torch.device | None = None) -> dict:
@@ -105,7 +105,7 @@ def memory_metrics(device: torch.device, world: int) -> dict:
         [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20], world, device)[0]}
 
 
-def tool_metrics(turns: ToolTurns, world: int, device: torch.device) -> dict[str, float]:
+def tool_metrics(turns: ToolTurns | ToolCounts, world: int, device: torch.device) -> dict[str, float]:
     """The round's tool use over all ranks: calls per completion, failures per call, tool-calling
     turns per completion and the fraction of completions that called a tool (TRL's metrics)."""
     calls, failures, turn_count, used, rows = collectives.sum_over_ranks(
@@ -145,10 +145,11 @@ class Stepped:
 class StepLog:
     """Each optimizer step's row of metrics.jsonl, and the progress line.
 
-    `timed(phase)` times a phase of the round (`time/<phase>`, on its first step's row); `round`
-    takes the round's statistics (every rank's rows), writes completions.jsonl and measures the
-    engine-vs-trainer mismatch when the round has old log-probs; `step` adds the step's
-    micro-batch metrics and optimizer figures, writes the row and prints the progress line."""
+    `timed(phase)` times a phase of the round (`time/<phase>`, summed over its blocks, on the
+    round's first step's row); `round` takes the round's statistics (every rank's rows), writes
+    completions.jsonl and measures the engine-vs-trainer mismatch when the round has old log-probs;
+    `step` adds the step's micro-batch metrics and optimizer figures, writes the row and prints the
+    progress line."""
 
     def __init__(self, run, state: RunState):
         """`run`: the Run (setup.py), whose RunDir gets the rows; `state`: its RunState."""
@@ -161,10 +162,11 @@ class StepLog:
     def timed(self, phase: str) -> Iterator[None]:
         start = clock(self.device)
         yield
-        self.times[f"time/{phase}"] = clock(self.device) - start
+        key = f"time/{phase}"  # summed over the round (dynamic sampling times each generation batch)
+        self.times[key] = self.times.get(key, 0.0) + clock(self.device) - start
 
     def round(self, scores, lengths: torch.Tensor, truncated: torch.Tensor, mask: torch.Tensor, samp: torch.Tensor,
-              turns: ToolTurns | None, old: torch.Tensor | None, tis: torch.Tensor | None) -> None:
+              turns: ToolTurns | ToolCounts | None, old: torch.Tensor | None, tis: torch.Tensor | None) -> None:
         """A round's statistics: `scores` (train.RoundScores), this rank's completion `lengths` and
         `truncated` `[n]`, loss `mask` and engine log-probs `samp` `[n, Tc]`, the tools' `turns`, and
         the old log-probs and TIS weights `[n, Tc]` when the round has them. Starts the update's clock."""

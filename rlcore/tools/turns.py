@@ -11,6 +11,7 @@ from it; `training_chat_template` is the template TRL swaps in for it, as a run 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from rlcore.tools.calls import ToolCall, assistant_message, parse_tool_calls, tool_call_format
@@ -147,3 +148,12 @@ class ToolTurns:
                 messages = messages + [assistant_message(text, self.format, calls)]
             out.append(messages)
         return out
+
+
+@dataclass
+class ToolCounts:
+    """A ToolTurns' counters alone, per row: `calls`, `failures` and `turns` (what the round's tool
+    metrics read), for rows taken from several rollouts (dynamic sampling's round)."""
+    calls: list[int]
+    failures: list[int]
+    turns: list[int]
