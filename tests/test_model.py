@@ -181,3 +181,29 @@ def test_mix_into_is_the_tr_dpo_update_of_every_weight(family, hf_checkpoint):
         want = 0.6 * policy.state_dict()[name].double() + 0.4 * before[name]
         torch.testing.assert_close(w.double(), want, rtol=1e-6, atol=1e-6)
     assert ref.lm_head_weight.data_ptr() != policy.lm_head_weight.data_ptr()
+
+
+@pytest.mark.parametrize("family", ["llama_tied", "qwen2", "qwen3_tied"])
+def test_gradients_match_transformers_where_the_pad_token_is_also_content(family, hf_checkpoint):
+    """transformers builds the embedding with padding_idx = pad_token_id: the pad row gets no gradient
+    from the positions where it is an input (SmolLM2's pad is its EOS, inside every chat prompt); tied,
+    it still gets the output layer's. Token 5 is pad here and occurs in the input."""
+    path, hf = hf_checkpoint(family, pad_token_id=5)
+    model = load_model(path, torch.float32)
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(3))
+    ids[:, ::4] = 5
+    weights = torch.linspace(-1, 1, 2 * 23).view(2, 23)
+
+    def loss(logits):
+        return (logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0] * weights).sum()
+
+    loss(model.logits(model(ids))).backward()
+    loss(hf(input_ids=ids).logits).backward()
+    theirs = dict(hf.named_parameters())
+    for name, p in model.named_parameters():
+        assert (p.grad - theirs[name].grad).norm() <= 1e-5 * theirs[name].grad.norm(), name
+    embed = model.model.embed_tokens.weight.grad[5]
+    model.zero_grad()
+    model.config = dataclasses.replace(model.config, pad_token_id=None)  # the gradient without padding_idx
+    loss(model.logits(model(ids))).backward()
+    assert (model.model.embed_tokens.weight.grad[5] - embed).norm() > 0.1 * embed.norm()  # the rule mattered
