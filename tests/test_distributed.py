@@ -138,13 +138,32 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+def one_and_two_ranks(tmp_path, script: Path, options: list[str], b: int):
+    """`script` (rlcore train with a fixed rollout) run as one process of per-device batch b, then as 2
+    torchrun ranks of b / 2, with the `--set` options; their run directories and the ranks' output."""
+    from test_train import torchrun
+
+    def args(run, batch):
+        return ["train", *(a for o in [*options, f"train.output_dir={run}", f"train.per_device_train_batch_size={batch}"]
+                           for a in ("--set", o))]
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    out = subprocess.run([sys.executable, str(script), *args(one, b)], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = torchrun(tmp_path, *args(two, b // 2), script=script)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return one, two, out
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
 def test_two_ranks_train_as_one_rank_with_micro_batches_twice_as_large(loss_type, qwen_dir, tmp_path):
     """docs/distributed.md: with S = GA, P ranks of b-row micro-batches train as one process of b*P-row ones, to
     fp32 rounding, on the same completions (an optimizer step then spans the whole round on every
     rank, whatever each rank's shuffle). 2 gloo ranks x b = 3 against one process with b = 6, over
     4 optimizer steps of mu = 2 replays with GA = 2: the same rewards, gradient norms and weights."""
-    from test_train import rows, torchrun, weights
+    from test_train import rows, weights
     from test_train_hf import write_gsm8k
 
     script = tmp_path / "fixed_rollout.py"
@@ -156,17 +175,7 @@ def test_two_ranks_train_as_one_rank_with_micro_batches_twice_as_large(loss_type
                "train.gradient_accumulation_steps=2", "train.learning_rate=0.01", "train.max_steps=4",
                "train.max_grad_norm=0.5", "train.device=cpu", "train.bf16=false"]
 
-    def args(run, b):
-        return ["train", *(a for o in [*options, f"train.output_dir={run}", f"train.per_device_train_batch_size={b}"]
-                           for a in ("--set", o))]
-
-    one, two = tmp_path / "one", tmp_path / "two"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
-    out = subprocess.run([sys.executable, str(script), *args(one, 6)], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    out = torchrun(tmp_path, *args(two, 3), script=script)
-    assert out.returncode == 0, out.stderr[-3000:]
+    one, two, out = one_and_two_ranks(tmp_path, script, options, 6)
     assert "2 rank(s) x 6 completions = 3 prompts x G=4 per round" in out.stdout
 
     # The two runs' log-probs differ in the last bits (other batch shapes): a ratio on a clip bound (the default
@@ -190,7 +199,7 @@ def test_two_ranks_with_dynamic_sampling_train_as_one_rank_with_micro_batches_tw
     b = 6 on the same completions (fixed by their place in each generation batch), through rounds
     that take several generation batches and rounds that meet the cap of 2 and fill up with dropped
     groups. Groups of 4 straddle the ranks' 6 rows, so kept rows move between ranks."""
-    from test_train import rows, torchrun, weights
+    from test_train import rows, weights
     from test_train_hf import write_gsm8k
 
     script = tmp_path / "fixed_rollout.py"
@@ -203,17 +212,7 @@ def test_two_ranks_with_dynamic_sampling_train_as_one_rank_with_micro_batches_tw
                "train.gradient_accumulation_steps=2", "train.learning_rate=0.01", "train.max_steps=4",
                "train.max_grad_norm=0.5", "train.device=cpu", "train.bf16=false"]
 
-    def args(run, b):
-        return ["train", *(a for o in [*options, f"train.output_dir={run}", f"train.per_device_train_batch_size={b}"]
-                           for a in ("--set", o))]
-
-    one, two = tmp_path / "one", tmp_path / "two"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
-    out = subprocess.run([sys.executable, str(script), *args(one, 6)], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    out = torchrun(tmp_path, *args(two, 3), script=script)
-    assert out.returncode == 0, out.stderr[-3000:]
+    one, two, out = one_and_two_ranks(tmp_path, script, options, 6)
     margins = [float(x) for f in tmp_path.glob("margins-*.txt") for x in f.read_text().split()]
     assert min(margins) > 1e-5, f"a ratio sits {min(margins):.1e} from a clip bound"
     a, b = rows(one), rows(two)

@@ -7,9 +7,7 @@ scores of the completions it logged, two ranks to one, and bad input to errors t
 """
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -228,8 +226,8 @@ sys.exit(main(sys.argv[1:]))
 def test_two_ranks_each_score_their_own_rows_as_one_rank_scores_them_all(qwen_dir, tmp_path):
     """2 torchrun ranks of 4 completions and one process of 8, on the same fixed completions: the
     reward model's mean over each round is the same (each rank scored its half, gathered)."""
+    from test_distributed import one_and_two_ranks
     from test_train import rows as metrics_rows
-    from test_train import torchrun
 
     script = tmp_path / "fixed_rollout.py"
     script.write_text(FIXED_ROLLOUT)
@@ -239,17 +237,7 @@ def test_two_ranks_each_score_their_own_rows_as_one_rank_scores_them_all(qwen_di
                "data.num_eval=0", "rollout.num_generations=4", "rollout.max_completion_length=6",
                f"loss.reward_funcs=['{rm_dir}']", "train.max_steps=2", "train.device=cpu"]
 
-    def args(run, b):
-        return ["train", *(a for o in [*options, f"train.output_dir={run}", f"train.per_device_train_batch_size={b}"]
-                           for a in ("--set", o))]
-
-    one, two = tmp_path / "one", tmp_path / "two"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
-    out = subprocess.run([sys.executable, str(script), *args(one, 8)], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    out = torchrun(tmp_path, *args(two, 4), script=script)
-    assert out.returncode == 0, out.stderr[-3000:]
+    one, two, _ = one_and_two_ranks(tmp_path, script, options, 8)
     a, b = metrics_rows(one), metrics_rows(two)
     assert len(a) == len(b) == 2
     assert [r["reward/rm/mean"] for r in b] == pytest.approx([r["reward/rm/mean"] for r in a], rel=1e-6)
