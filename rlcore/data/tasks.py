@@ -49,8 +49,9 @@ def arithmetic_problems(rng: random.Random, max_operand: int = 49, ops: str = "+
 
 def arithmetic_questions(rng: random.Random) -> list[dict]:
     """Every one-digit `a + b` and `a - b` (a >= b) as a question that asks for only the number
-    (155 problems), in a seeded random order. SmolLM2-135M-Instruct answers about half of them
-    right at the start, by writing the equation out (`"7 - 3 = 4"`) rather than the number alone."""
+    (155 problems), in a seeded random order: a task SmolLM2-135M-Instruct gets partly right at the
+    start, where it writes the equation out (`"7 - 3 = 4"`), and GRPO can improve on a CPU
+    (docs/real_models.md)."""
     problems = arithmetic_problems(rng, max_operand=9, ops="+-")
     for p in problems:
         p["prompt"] = f"What is {p['a']} {p['op']} {p['b']}? Answer with only the number."
