@@ -57,6 +57,15 @@ sides), each side's share of that peak, and the share 3x TRL's speed would need.
 3x TRL is within this machine's reach, whatever either side does.
 The last line is `train_step_speedup_vs_trl=<TRL seconds per step / rlcore seconds per step>`.
 
+`--model DIR` runs the same comparison on a real checkpoint directory with a chat template
+(SmolLM2-135M-Instruct from `rlcore fetch-smollm2`) instead of the random model: both sides load
+DIR in fp32; the prompts are bench/rollout.py's CHAT_PROMPTS (cycled to 64), one user message each
+in the checkpoint's chat template (TRL's conversational prompts, rlcore's data.use_chat_template);
+completions end at EOS, so each side's step does the work of its own sampled lengths (printed),
+and the FLOP floor is taken at the chat prompts' mean length and the sides' mean completion length:
+
+    flock /tmp/rlcore-bench.lock python bench/train_step.py --model ~/.cache/rlcore/SmolLM2-135M-Instruct
+
 The workload's sizes are flags, their defaults the setup above: --shape (bench/rollout.py's shapes),
 --prompt-len, --G, --max-new, --batch, --ga, and --peak-n for the matmul peak's size. The smoke run
 tests/test_bench_smoke.py makes, both sides at a tiny size, every line and no figure:
@@ -74,7 +83,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -88,14 +97,19 @@ SPECIALS = ["<pad>", "<eos>", "<unk>"]
 
 @dataclass(frozen=True)
 class Workload:
-    """The sizes of the model and of one step (the defaults: the benchmark's). The driver writes
-    it into the checkpoint dir (workload.json), where each side's worker reads it."""
+    """The model and the sizes of one step (the defaults: the benchmark's). The driver writes it
+    into the work dir (workload.json), where each side's worker reads it."""
     shape: str = "bench"  # bench/rollout.py's SHAPES
+    model: str = ""  # a checkpoint dir with a chat template (--model); "" = a random model of `shape`
     prompt_len: int = 64
     G: int = 8
     max_new: int = 128
     batch: int = 16  # per_device_train_batch_size
     ga: int = 4  # gradient_accumulation_steps
+
+    def model_dir(self, d: Path) -> Path:
+        """The checkpoint directory both sides load: --model's, or the random one built in work dir `d`."""
+        return Path(self.model) if self.model else d
 
     @property
     def prompts_per_step(self) -> int:
@@ -143,6 +157,18 @@ def build_checkpoint(d: Path, w: Workload = Workload()) -> None:
     w.save(d)
 
 
+def write_chat_prompts(d: Path, w: Workload) -> None:
+    """--model's work dir: PROMPTS prompts of one user message each (bench/rollout.py's CHAT_PROMPTS,
+    cycled) in d/prompts.jsonl, which both sides render with the checkpoint's chat template, and the
+    workload in d/workload.json."""
+    from rollout import CHAT_PROMPTS  # bench/rollout.py, beside this script
+
+    with open(d / "prompts.jsonl", "w") as f:
+        for i in range(PROMPTS):
+            f.write(json.dumps({"prompt": [{"role": "user", "content": CHAT_PROMPTS[i % len(CHAT_PROMPTS)]}]}) + "\n")
+    w.save(d)
+
+
 def load_tokenizer(d: Path):
     """The WordLevel tokenizer as transformers sees it. Not AutoTokenizer: with config.json saying
     qwen2 it builds a Qwen2Tokenizer (BPE) from the vocab and every prompt encodes to zero tokens."""
@@ -152,11 +178,13 @@ def load_tokenizer(d: Path):
 
 
 def bench_reward(prompts, completions, **kwargs):
-    """Deterministic pseudo-random score in [0, 1) of each completion's text (TRL and rlcore)."""
-    return [(sum(map(ord, c)) * 2654435761 % 1000) / 1000.0 for c in completions]
+    """Deterministic pseudo-random score in [0, 1) of each completion's text (TRL and rlcore); a
+    chat prompt's completion comes as a list of messages, the reply the last one's content."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [(sum(map(ord, t)) * 2654435761 % 1000) / 1000.0 for t in texts]
 
 
-def read_prompts(d: Path) -> list[str]:
+def read_prompts(d: Path) -> list:
     with open(d / "prompts.jsonl") as f:
         return [json.loads(line)["prompt"] for line in f]
 
@@ -186,7 +214,7 @@ def run_trl(d: Path, steps: int, grad_ckpt: bool, bf16: bool, glibc_malloc: bool
 
         reuse_freed_memory()
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     class StepClock(TrainerCallback):
@@ -208,8 +236,8 @@ def run_trl(d: Path, steps: int, grad_ckpt: bool, bf16: bool, glibc_malloc: bool
                       report_to="none", logging_steps=1, max_steps=steps, save_strategy="no", use_vllm=False,
                       temperature=1.0, disable_dropout=True, learning_rate=1e-6, seed=0,
                       gradient_checkpointing=grad_ckpt, dataloader_num_workers=0)
-    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
-    tok = load_tokenizer(d)
+    model = AutoModelForCausalLM.from_pretrained(w.model_dir(d), dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(w.model) if w.model else load_tokenizer(d)
     data = Dataset.from_dict({"prompt": read_prompts(d)})
     clock = StepClock()
     trainer = GRPOTrainer(model=model, reward_funcs=bench_reward, args=args, train_dataset=data,
@@ -253,8 +281,8 @@ def run_rlcore(d: Path, steps: int, grad_ckpt: bool, bf16: bool) -> dict:
 
     out, w = d / "rlcore_out", Workload.load(d)
     cfg = load_config(None, [
-        f"model.path={d}", "model.dtype=float32", "data.task=jsonl", f"data.path={d / 'prompts.jsonl'}",
-        "data.num_eval=0", 'data.answer_column=""', "data.use_chat_template=false",
+        f"model.path={w.model_dir(d)}", "model.dtype=float32", "data.task=jsonl", f"data.path={d / 'prompts.jsonl'}",
+        "data.num_eval=0", 'data.answer_column=""', f"data.use_chat_template={str(bool(w.model)).lower()}",
         f"rollout.num_generations={w.G}", f"rollout.max_completion_length={w.max_new}", "rollout.temperature=1.0",
         f"train.per_device_train_batch_size={w.batch}", f"train.gradient_accumulation_steps={w.ga}",
         f"train.max_steps={steps}", f"train.output_dir={out}", "train.learning_rate=1e-6", "train.device=cpu",
@@ -329,7 +357,7 @@ def step_flops(d: Path, w: Workload = Workload()) -> float:
     from rollout import rollout_flops  # bench/rollout.py, beside this script
     from rlcore.models.transformer import ModelConfig
 
-    cfg = ModelConfig.from_hf(json.loads((d / "config.json").read_text()))
+    cfg = ModelConfig.from_hf(json.loads((w.model_dir(d) / "config.json").read_text()))
     return 4 * rollout_flops(cfg, w.prompts_per_step, w.G, w.prompt_len, w.max_new)
 
 
@@ -361,7 +389,10 @@ def main() -> None:
                     help="TRL with glibc's malloc defaults (by default it gets rlcore's reuse_freed_memory setting)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads per side (0 = torch's default)")
     ap.add_argument("--shape", default=Workload.shape, help="the model: bench/rollout.py's --shape (bench, tiny, ...)")
-    ap.add_argument("--prompt-len", type=int, default=Workload.prompt_len, help="tokens of every prompt")
+    ap.add_argument("--model", default="", help="a checkpoint directory with a chat template, instead of --shape: "
+                    "chat prompts, completions ended by EOS")
+    ap.add_argument("--prompt-len", type=int, default=Workload.prompt_len,
+                    help="tokens of every prompt (not with --model)")
     ap.add_argument("--G", type=int, default=Workload.G, help="completions per prompt")
     ap.add_argument("--max-new", type=int, default=Workload.max_new, help="most tokens of a completion")
     ap.add_argument("--batch", type=int, default=Workload.batch, help="per_device_train_batch_size")
@@ -383,14 +414,21 @@ def main() -> None:
         return
 
     import torch
-    from rollout import SHAPES, matmul_peak_gflops  # bench/rollout.py, beside this script
+    from rollout import CHAT_PROMPTS, SHAPES, chat_prompts, matmul_peak_gflops  # bench/rollout.py, beside this script
+    from rlcore.models.tokenizer import Tokenizer
 
     if a.shape not in SHAPES:
         ap.error(f"--shape {a.shape!r}: one of {', '.join(sorted(SHAPES))}")
-    w = Workload(a.shape, a.prompt_len, a.G, a.max_new, a.batch, a.ga)
+    w = Workload(a.shape, a.model, a.prompt_len, a.G, a.max_new, a.batch, a.ga)
+    if w.model:
+        prompt_lens = [len(p) for p in chat_prompts(Tokenizer.from_dir(w.model), len(CHAT_PROMPTS))]
+        what = (f"{w.model}, one step = {w.prompts_per_step} chat prompts ({min(prompt_lens)}-{max(prompt_lens)} "
+                f"tokens) x G={w.G}, completion <= {w.max_new} tokens (EOS ends it)")
+    else:
+        what = (f"{w.shape} shape, one step = {w.prompts_per_step} prompts x G={w.G}, prompt {w.prompt_len} + "
+                f"completion <= {w.max_new} tokens")
     print(f"cpu: {a.threads or torch.get_num_threads()} threads, {os.cpu_count()} cores, torch {torch.__version__}; "
-          f"{w.shape} shape, one step = {w.prompts_per_step} prompts x G={w.G}, prompt {w.prompt_len} + "
-          f"completion <= {w.max_new} tokens, micro-batch {w.batch} x GA {w.ga}, fp32 model, "
+          f"{what}, micro-batch {w.batch} x GA {w.ga}, fp32 model, "
           f"{'bf16 autocast' if a.bf16 else 'fp32 compute'}; first step of each side dropped", flush=True)
     if a.threads:
         torch.set_num_threads(a.threads)  # the peak below on the sides' threads
@@ -400,8 +438,10 @@ def main() -> None:
     res = {}
     with tempfile.TemporaryDirectory(prefix="rlcore-bench-") as tmp:
         d = Path(tmp)
-        build_checkpoint(d, w)
-        flops = step_flops(d, w)
+        if w.model:
+            write_chat_prompts(d, w)
+        else:
+            build_checkpoint(d, w)
         if a.side in ("both", "trl"):
             r = res["trl"] = side("trl", d, a.trl_steps, a.grad_ckpt, a.threads, a.bf16, a.trl_glibc_malloc)
             print(f"trl: {r['sec_per_step']:.2f} s/step (steps: {steps_text(r['per_step'])}), "
@@ -420,6 +460,12 @@ def main() -> None:
             print("rlcore phases (s/step): " + ", ".join(f"{p.split('/')[1]} {v:.2f}"
                   for p, v in r["phases"].items()) + f"; sum {r['phase_sum']:.2f} "
                   f"(steps: {steps_text(r['per_step_phases'])})", flush=True)
+        if w.model:  # the floor at the mean lengths: the chat prompts', the completions the sides sampled
+            completion_len = sum(r["completion_len_mean"] for r in res.values()) / len(res)
+            w = replace(w, prompt_len=round(sum(prompt_lens) / len(prompt_lens)), max_new=round(completion_len))
+            print(f"floor lengths: prompt {w.prompt_len} tokens (the chat prompts' mean), completion {w.max_new} "
+                  f"(the sides' mean)", flush=True)
+        flops = step_flops(d, w)
     peak = max(peak, matmul_peak_gflops(torch.device("cpu"), compute, a.peak_n))  # the machine may be shared
     for line in floor_lines(flops, peak, res, a.peak_n):
         print(line, flush=True)

@@ -428,7 +428,7 @@ def test_chat_template_kwargs_as_a_toml_table_inline_or_nested(tmp_path):
         load_config(None, ["data.chat_template_kwargs={a=[1]}"])
 
 
-@pytest.mark.parametrize("name", ["default.toml", "qwen2.5-0.5b-gsm8k.toml", "dapo.toml"])
+@pytest.mark.parametrize("name", ["default.toml", "qwen2.5-0.5b-gsm8k.toml", "dapo.toml", "smollm2-arithmetic.toml"])
 def test_shipped_configs_load_and_validate(name):
     c = load_config(str(CONFIGS / name), ["data.path=train.jsonl"] if "gsm8k" in name else [])
     validate(c)

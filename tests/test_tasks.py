@@ -49,14 +49,25 @@ def test_arithmetic_answers_are_never_negative():
         a - b for a in range(10) for b in range(a + 1))
 
 
+def test_arithmetic_question_asks_every_one_digit_sum_and_difference_for_only_the_number():
+    problems = unique_problems("arithmetic_question", 1000, seed=0)
+    asked = {(ex["a"], ex["op"], ex["b"]) for ex in problems}
+    assert len(problems) == len(asked) == 155
+    assert asked == {(a, "+", b) for a in range(10) for b in range(10)} | {(a, "-", b) for a in range(10)
+                                                                           for b in range(a + 1)}
+    for ex in problems:
+        assert ex["prompt"] == f"What is {ex['a']} {ex['op']} {ex['b']}? Answer with only the number."
+        assert int(ex["answer"]) == (ex["a"] + ex["b"] if ex["op"] == "+" else ex["a"] - ex["b"])
+
+
 def test_countdown_example_columns():
     ex = make_task("countdown", 1, seed=0)[0]
     assert ex["prompt"] == f"Make {ex['target']} from {' '.join(map(str, ex['numbers']))}:"
     assert len(ex["numbers"]) == 3 and 1 <= ex["target"] <= 99
 
 
-@pytest.mark.parametrize("task", TASKS)
-def test_prompts_and_answers_are_short(task):
+@pytest.mark.parametrize("task", [task for task in TASKS if task != "arithmetic_question"])
+def test_prompts_and_answers_are_short(task):  # the tiny model's tasks: it reads one token per character
     examples = make_task(task, 500, seed=0)
     assert max(len(ex["prompt"]) for ex in examples) <= 20
     assert max(len(ex["answer"]) for ex in examples) <= 12

@@ -34,7 +34,7 @@ class ModelArgs:
 
 @dataclass
 class DataArgs:
-    task: Literal["arithmetic", "countdown", "multiplication", "jsonl"] = "arithmetic"
+    task: Literal["arithmetic", "countdown", "multiplication", "arithmetic_question", "jsonl"] = "arithmetic"
     """prompts: a synthetic task generated in-process, or a JSONL file (data.path)"""
     path: str | None = None
     """JSONL file with one example per line (task "jsonl" only)"""

@@ -1,10 +1,13 @@
 """Synthetic verifiable tasks, generated in-process and deterministic from a seed.
 
 Prompts and answers are a few characters long so that the tiny embedded model (one token per
-character) can learn them on a CPU in minutes.
+character) can learn them on a CPU in minutes; `arithmetic_question` is for a real model.
 
 - `arithmetic`: `"27+35="` -> `"62"`; operands 0..49, addition (subtraction available, never negative).
   Scored by the `accuracy` reward (answers.py).
+- `arithmetic_question`: `"What is 7 - 3? Answer with only the number."` -> `"4"`; one-digit
+  operands, + and - (never negative), asked in words for a small instruct model (SmolLM2-135M,
+  configs/smollm2-arithmetic.toml). Scored by `accuracy`: the last number of the reply.
 - `multiplication`: `"37*482"` -> `"17834"`; a two-digit times a three-digit number, which the tiny
   model cannot do by heart: the task of the embedded tool run, with `calculator` as its tool.
 - `countdown`: `"Make 14 from 2 3 4:"` -> an expression such as `"(3+4)*2"` that uses each number
@@ -23,9 +26,10 @@ from fractions import Fraction
 
 from rlcore.rewards.answers import evaluate_expression
 
-TASKS = ("arithmetic", "countdown", "multiplication")
+TASKS = ("arithmetic", "countdown", "multiplication", "arithmetic_question")
 # The reward that decides whether an answer is right (held-out accuracy), per data.task.
-TASK_REWARD = {"arithmetic": "accuracy", "countdown": "countdown", "multiplication": "accuracy", "jsonl": "accuracy"}
+TASK_REWARD = {"arithmetic": "accuracy", "countdown": "countdown", "multiplication": "accuracy",
+               "arithmetic_question": "accuracy", "jsonl": "accuracy"}
 
 
 def arithmetic_problems(rng: random.Random, max_operand: int = 49, ops: str = "+") -> list[dict]:
@@ -40,6 +44,17 @@ def arithmetic_problems(rng: random.Random, max_operand: int = 49, ops: str = "+
             if "-" in ops and a >= b:
                 problems.append({"prompt": f"{a}-{b}=", "answer": str(a - b), "a": a, "b": b, "op": "-"})
     rng.shuffle(problems)
+    return problems
+
+
+def arithmetic_questions(rng: random.Random) -> list[dict]:
+    """Every one-digit `a + b` and `a - b` (a >= b) as a question that asks for only the number
+    (155 problems), in a seeded random order: a task SmolLM2-135M-Instruct gets partly right at the
+    start, where it writes the equation out (`"7 - 3 = 4"`), and GRPO can improve on a CPU
+    (docs/real_models.md)."""
+    problems = arithmetic_problems(rng, max_operand=9, ops="+-")
+    for p in problems:
+        p["prompt"] = f"What is {p['a']} {p['op']} {p['b']}? Answer with only the number."
     return problems
 
 
@@ -96,6 +111,8 @@ def unique_problems(name: str, limit: int, seed: int) -> list[dict]:
         return arithmetic_problems(rng)[:limit]
     if name == "multiplication":
         return multiplication_problems(rng)[:limit]
+    if name == "arithmetic_question":
+        return arithmetic_questions(rng)[:limit]
     if name == "countdown":
         seen, problems = set(), []
         for _ in range(50 * limit):  # draws: ample: there are about 1,900 distinct problems
