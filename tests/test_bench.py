@@ -55,3 +55,17 @@ def test_train_step_floor_is_four_forwards_and_names_the_share_3x_needs(tmp_path
     assert f"= {flops / 100e9:.1f} s/step at the matmul peak of 100 GFLOP/s" in lines[0]
     assert f"3x trl (20.0 s/step) needs {need:.0f} GFLOP/s = {need / 100:.0%} of peak" in lines[1]
     assert f"rlcore {flops / 30e9:.0f} GFLOP/s" in lines[1]
+
+
+def test_completions_flops_of_several_prompts_is_each_prompts_count_summed():
+    rollout = bench_module("rollout")
+    cfg = ModelConfig.from_hf(json.loads(make_hf_model("qwen2").config.to_json_string()))
+    one = rollout.rollout_flops  # FlopCounterMode-checked above, for one prompt and one sample
+    assert rollout.completions_flops(cfg, [5, 7], [[3], [1]]) == one(cfg, 1, 1, 5, 3) + one(cfg, 1, 1, 7, 1)
+
+
+def test_lengths_to_eos_count_up_to_and_including_the_first_eos_else_the_whole_row():
+    rollout = bench_module("rollout")
+    new_ids = torch.tensor([[5, 2, 2, 2], [5, 6, 7, 8], [9, 3, 2, 3], [2, 2, 2, 2]])
+    assert rollout.lengths_to_eos(new_ids, [2, 3]) == [2, 4, 2, 1]
+    assert rollout.lengths_to_eos(new_ids, []) == [4, 4, 4, 4]  # no EOS: every row runs to the end

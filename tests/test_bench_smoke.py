@@ -77,6 +77,22 @@ def test_train_step_bench_runs_a_trl_and_an_rlcore_step_and_ends_with_the_speedu
     ratio(lines[-1], "train_step_speedup_vs_trl")
 
 
+def test_rollout_bench_runs_on_a_checkpoint_dir_with_chat_prompts_ended_by_eos(qwen_dir):
+    lines = run_bench("rollout.py", "--model", str(qwen_dir), "--prompts", "2", "--G", "2", "--new-tokens", "4",
+                      "--peak-n", "64")
+    for side in ("rlcore: ", "transformers: "):
+        assert len([line for line in lines_starting(lines, side) if "of 4 at the 4-token limit" in line]) == 1, lines
+    ratio(lines[-1], "rollout_speedup_vs_hf")
+
+
+def test_train_step_bench_runs_on_a_checkpoint_dir_with_chat_prompts(qwen_dir):
+    lines = run_bench("train_step.py", "--model", str(qwen_dir), "--G", "2", "--max-new", "2", "--batch", "2",
+                      "--ga", "1", "--trl-steps", "1", "--rlcore-steps", "2", "--peak-n", "64")
+    assert str(qwen_dir) in lines[0] and len(lines_starting(lines, "floor lengths: ")) == 1, lines
+    assert ratio(lines[-3], "trl_sec_per_step") and ratio(lines[-2], "rlcore_sec_per_step"), lines
+    ratio(lines[-1], "train_step_speedup_vs_trl")
+
+
 def test_logprobs_bench_runs_naive_and_chunked_and_ends_with_their_ratios():
     lines = run_bench("logprobs.py", "--batch", "1", "--tokens", "64", "--hidden", "32", "--vocab", "8192",
                       "--chunk-size", "16", "--repeats", "1")
