@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 
 from rlcore import EMBEDDED_DEFAULT, ConfigError, RlcoreWarning
-from rlcore.config import trl_names
+import rlcore.config.trl_names as trl_names
 from rlcore.config.options import EMBEDDED_MODEL_PATHS, PATH_OPTIONS, SECTIONS, Config, field_names, sections_with
 from rlcore.config.validation import validate
 from rlcore.config.values import accepts, check_type, shell_set, toml_literal, toml_value
