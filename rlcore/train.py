@@ -52,6 +52,7 @@ from rlcore.rewards.scoring import RewardFunctionError, RewardState, reward_extr
 from rlcore.rollout.completions import completion_texts, completion_token_ids, sample_completions, tool_reward_kwargs
 from rlcore.rollout.dynamic_sampling import GenerationBatches
 from rlcore.rollout.engine import Rollout
+from rlcore.rollout.sources import InlineRounds, ThreadedRounds
 from rlcore.run.rundir import RunDir
 from rlcore.run.setup import Run, setup
 from rlcore.run.state import RunState
@@ -69,23 +70,44 @@ def next_prompts(examples: list[dict], pos: int, n: int, seed: int) -> list[dict
     return out
 
 
-def sample_round(run: Run, state: RunState, rows: list[dict]) -> tuple[Rollout, ToolTurns | None]:
-    """Sample one completion for each of this rank's `rows` (each prompt already repeated G times,
-    so a group may straddle two ranks), with the run's sampling options and RNG; with tools, over
-    several turns, and the ToolTurns that counted the calls (else None)."""
+def sample_round(run: Run, policy: Transformer, rows: list[dict], generator: torch.Generator, label: str,
+                 fresh_environments: bool = False) -> tuple[Rollout, ToolTurns | None]:
+    """Sample one completion for each of `rows` (each prompt already repeated G times, so a group
+    may straddle two ranks) with `policy`, the run's sampling options and `generator`; with tools,
+    over several turns, and the ToolTurns that counted the calls (else None). `label` names the
+    progress lines; `fresh_environments`: environments of the rows' own (a round sampled ahead
+    must not reset those the trainer's round still holds)."""
     rollout_cfg = run.cfg.rollout
-    run.model.eval()  # no LoRA dropout while sampling, nor in the old and ref passes that follow
-    progress = Progress(f"step {state.step + 1} rollout", enabled=run.main)  # a real model on CPU: minutes
+    progress = Progress(label, enabled=run.main)  # a real model on CPU: minutes
     rows_label = f"{len(rows)} completions" + (" on rank 0" if run.world > 1 else "")
-    with run.generating() as policy:  # under FSDP a plain copy, its full weights gathered once
-        return sample_completions(
-            policy, run.tok, rows, rollout_cfg.max_completion_length,
-            tool_turns=run.tool_turns if run.toolbox else None, max_turns=rollout_cfg.max_tool_calling_iterations,
-            temperature=rollout_cfg.temperature, top_k=rollout_cfg.top_k, top_p=rollout_cfg.top_p,
-            min_p=rollout_cfg.min_p, repetition_penalty=rollout_cfg.repetition_penalty,
-            stop_sequences=run.stop_sequences, generator=state.sampler, dtype=run.amp,
-            progress=lambda tokens, finished: progress.report(f"{tokens}/{rollout_cfg.max_completion_length} tokens, "
-                                                              f"{finished}/{rows_label} done"))
+    tool_turns = functools.partial(run.tool_turns, fresh=fresh_environments) if run.toolbox else None
+    return sample_completions(
+        policy, run.tok, rows, rollout_cfg.max_completion_length,
+        tool_turns=tool_turns, max_turns=rollout_cfg.max_tool_calling_iterations,
+        temperature=rollout_cfg.temperature, top_k=rollout_cfg.top_k, top_p=rollout_cfg.top_p,
+        min_p=rollout_cfg.min_p, repetition_penalty=rollout_cfg.repetition_penalty,
+        stop_sequences=run.stop_sequences, generator=generator, dtype=run.amp,
+        progress=lambda tokens, finished: progress.report(f"{tokens}/{rollout_cfg.max_completion_length} tokens, "
+                                                          f"{finished}/{rows_label} done"))
+
+
+def round_source(run: Run, state: RunState) -> InlineRounds | ThreadedRounds:
+    """Step 1's rounds: sampled in line (rollout.max_staleness = 0), or ahead by a sampler thread
+    on its own copy of the weights (max_staleness > 0, or rollout.sampler_thread)."""
+    rollout_cfg, geometry = run.cfg.rollout, run.geometry
+    mine = slice(run.rank * geometry.completions_per_rank, (run.rank + 1) * geometry.completions_per_rank)
+
+    def draw(data_pos: int) -> list[dict]:  # this rank's rows of the round whose first prompt is data_pos
+        prompts = next_prompts(run.train_set, data_pos, geometry.prompts_per_round, run.cfg.train.seed)
+        return [example for example in prompts for _ in range(geometry.G)][mine]
+
+    if not (rollout_cfg.max_staleness or rollout_cfg.sampler_thread):
+        return InlineRounds(functools.partial(sample_round, run), draw, run.generating)
+    rounds_left = math.ceil((geometry.max_steps - state.step) / geometry.steps_per_round)
+    saved = run.saved_state.get("sampler_weights") if run.saved_state else None
+    return ThreadedRounds(functools.partial(sample_round, run, fresh_environments=True), draw, run.generating, state,
+                          rollout_cfg.max_staleness, rollout_cfg.weight_sync_steps, rounds_left,
+                          geometry.prompts_per_round, saved, rollout_cfg.sampler_timeout)
 
 
 @dataclass
@@ -309,19 +331,21 @@ def train(cfg: Config, resume: str | os.PathLike | RunDir | None = None) -> dict
                       f"none of the {len(run.eval_set)} held-out prompts has an answer to check "
                       f"(data.answer_column = {run.answer_column!r})")
     log = StepLog(run, state)
+    rounds = round_source(run, state)  # in line, or sampled ahead from older weights (rollout.max_staleness)
 
     while state.step < max_steps:
-        round_start = state.resume_point()  # checkpointed if scoring fails (step 2), before any weight changes
+        round_start = state.resume_point() | rounds.resume_point()  # checkpointed if scoring fails (step 2)
         round_end = state.step + steps_per_round
         batches = new_generation_batches(run)  # None unless rollout.filter_groups (DAPO's dynamic sampling)
         while batches is None or not batches.full():  # once; with dynamic sampling until N/G groups vary
             # 1. Rollout: G samples per prompt, token ids in and out. Every rank draws the same
             # round of prompts and samples the rows it owns (a group may straddle two ranks).
+            # Sampled ahead, the round comes from the weights of `sampled.version`, an older policy.
             with log.timed("rollout"):
-                prompts = next_prompts(run.train_set, state.data_pos, N // G, train_cfg.seed)
+                model.eval()  # no LoRA dropout while sampling, nor in the old and ref passes that follow
+                sampled = rounds.next(state)
                 state.data_pos += N // G
-                rows = [example for example in prompts for _ in range(G)][mine]
-                rollout, turns = sample_round(run, state, rows)
+                rows, rollout, turns = sampled.rows, sampled.rollout, sampled.turns
 
             # 2. Rewards and advantages, over the whole round (all ranks) before it is cut up.
             with log.timed("scoring"):
@@ -350,7 +374,8 @@ def train(cfg: Config, resume: str | os.PathLike | RunDir | None = None) -> dict
             if loss_cfg.tis_mode:
                 tis = tis_weights(old, batch.samp, batch.mask, loss_cfg.tis_mode, min=loss_cfg.tis_min,
                                   max=loss_cfg.tis_max)
-        log.round(scores, batch.lengths, batch.truncated, batch.mask, batch.samp, turns, old, tis)
+        log.round(scores, batch.lengths, batch.truncated, batch.mask, batch.samp, turns, old, tis,
+                  staleness=state.step - sampled.version)
         if not off_policy:
             old = None  # on-policy: old = logp.detach() inside the loop, the ratio is exactly 1
 
@@ -404,6 +429,7 @@ def train(cfg: Config, resume: str | os.PathLike | RunDir | None = None) -> dict
                 # 6. The optimizer step (skipped when a loss or the gradient is not finite), then its metrics.
                 stepped = optimizer_step(run, state, bad_losses=sum(not math.isfinite(m.loss) for m in micro_batches))
                 state.step += 1
+                rounds.trained(state.step)  # a sampler ahead of the loop gets these weights when they are due
                 if loss_cfg.sync_ref_model and state.step % loss_cfg.ref_model_sync_steps == 0:
                     mix_into(ref, model, loss_cfg.ref_model_mixup_alpha)  # TR-DPO; the next round's ref log-probs
                 log.step(replay, step_rows, micro_batches, stepped)
@@ -420,12 +446,13 @@ def train(cfg: Config, resume: str | os.PathLike | RunDir | None = None) -> dict
         # last one when max_steps ends the run inside a round (the note below says so).
         if due(state.step, train_cfg.eval_steps, steps_per_round) and state.step < max_steps:
             reward_failure = (RewardFunctionError, TypeError, ValueError)  # a reward function's (every rank raises it)
-            with run.dir.saved_on_failure(run, state, state.resume_point(), reward_failure):
+            with run.dir.saved_on_failure(run, state, state.resume_point() | rounds.resume_point(), reward_failure):
                 evaluation = held_out(run, state)
             run.dir.record_eval(state.step, evaluation)
         if due(state.step, train_cfg.save_steps, steps_per_round) or state.step >= max_steps:
-            run.dir.save(run, state, state.resume_point())
+            run.dir.save(run, state, state.resume_point() | rounds.resume_point())
 
+    rounds.close()
     if main and state.step < round_end:
         print(f"note: max_steps={max_steps} ended the run inside a round of {steps_per_round} optimizer "
               f"steps; a --resume with a larger max_steps starts a new round (the rest of this one is "

@@ -58,6 +58,8 @@ class Geometry:
     max_steps: int
     """optimizer steps the run takes: train.max_steps, or for -1 those of num_train_epochs passes
     over the training prompts (-1 while they are not counted)"""
+    staleness: int = 0
+    """rounds sampled ahead of the trainer, from older weights (rollout.max_staleness)"""
 
     @classmethod
     def of(cls, config: Config, world: int, num_train_prompts: int | None = None) -> Geometry:
@@ -66,7 +68,8 @@ class Geometry:
         train = config.train
         geometry = cls(G=config.rollout.num_generations, b=train.per_device_train_batch_size,
                        GA=train.gradient_accumulation_steps, S=generation_steps(train, world),
-                       mu=config.loss.num_iterations, world=world, max_steps=train.max_steps)
+                       mu=config.loss.num_iterations, world=world, max_steps=train.max_steps,
+                       staleness=config.rollout.max_staleness)
         if train.max_steps > 0 or num_train_prompts is None:
             return geometry
         return dataclasses.replace(geometry, max_steps=epoch_steps(
@@ -94,5 +97,6 @@ class Geometry:
     @property
     def off_policy(self) -> bool:
         """After a round's first optimizer step the policy has moved, so its later steps train on
-        samples from an older policy: the old log-probs need a pass of their own."""
-        return self.mu > 1 or self.S > self.GA
+        samples from an older policy: the old log-probs need a pass of their own. A round sampled
+        ahead (staleness > 0) is off-policy from its first step."""
+        return self.mu > 1 or self.S > self.GA or self.staleness > 0

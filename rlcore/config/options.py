@@ -94,6 +94,16 @@ class RolloutArgs:
     """what dynamic sampling judges: None = the weighted total reward, or one name of loss.reward_funcs"""
     max_num_gen_batches: int = 0
     """dynamic sampling: most generation batches per round (0 = no cap); at the cap the round trains on what it has"""
+    max_staleness: int = 0
+    """asynchronous rollouts: round r is sampled ahead with the weights from the start of round r - this (0 = synchronous)"""
+    weight_sync_steps: int = 1
+    """asynchronous rollouts: the trainer publishes its weights to the sampler every this many optimizer steps"""
+    sampler_thread: bool = False
+    """sample on a thread with its own copy of the weights even at max_staleness = 0 (on by itself above 0)"""
+    rollout_ranks: int = 0
+    """under torchrun: this many ranks (the last ones) only sample, the others only train (0 = each does both)"""
+    sampler_timeout: float = 600.0
+    """seconds the trainer waits for a round sampled ahead (or a sampler rank for weights) before the run stops"""
 
 
 @dataclass

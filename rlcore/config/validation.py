@@ -70,6 +70,8 @@ def validate(config: Config, world_size: int = 1) -> None:
         if not ok:
             problems.append(msg)
 
+    problems += async_problems(config, world_size)
+    world_size = training_ranks(config, world_size)  # the ranks that train (rollout.rollout_ranks only sample)
     # The batch geometry (SPEC 1): the checks that depend on the world size.
     geometry = Geometry.of(config, world_size)
     need(train.generation_batch_size is None or train.steps_per_generation is None,
@@ -316,6 +318,43 @@ def validate(config: Config, world_size: int = 1) -> None:
     problems += lora_problems(config)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def training_ranks(config: Config, world_size: int) -> int:
+    """The ranks of `world_size` that train: all but rollout.rollout_ranks (at least one)."""
+    return max(1, world_size - max(0, config.rollout.rollout_ranks))
+
+
+def async_problems(config: Config, world_size: int) -> list[str]:
+    """Asynchronous rollouts (rollout.max_staleness, weight_sync_steps, sampler_thread, rollout_ranks)."""
+    rollout = config.rollout
+    problems = []
+    if rollout.max_staleness < 0:
+        problems.append(f"rollout.max_staleness = {rollout.max_staleness} must be >= 0: the rounds the sampler runs "
+                        f"ahead of the trainer (0 = synchronous, 1 = one round sampled while the previous trains)")
+    if rollout.weight_sync_steps < 1:
+        problems.append(f"rollout.weight_sync_steps = {rollout.weight_sync_steps} must be >= 1 (1 = the sampler may "
+                        f"get the weights after every optimizer step)")
+    elif rollout.weight_sync_steps > 1 and rollout.max_staleness < 1:
+        problems.append(f"rollout.weight_sync_steps = {rollout.weight_sync_steps} leaves the sampler on older weights, "
+                        f"and rollout.max_staleness = {rollout.max_staleness} asks for the trainer's own; set "
+                        f"max_staleness >= 1, or leave weight_sync_steps at 1")
+    if not rollout.sampler_timeout > 0:
+        problems.append(f"rollout.sampler_timeout = {rollout.sampler_timeout} must be > 0 seconds (e.g. 600)")
+    if rollout.rollout_ranks < 0 or (rollout.rollout_ranks and rollout.rollout_ranks >= world_size):
+        problems.append(f"rollout.rollout_ranks = {rollout.rollout_ranks} must be >= 0 and below the world size "
+                        f"({world_size} rank(s)): at least one rank must train; launch more ranks with torchrun "
+                        f"--nproc_per_node, or set rollout_ranks = 0 (every rank samples and trains)")
+    if rollout.rollout_ranks and rollout.sampler_thread:
+        problems.append("rollout.sampler_thread = true and rollout.rollout_ranks = "
+                        f"{rollout.rollout_ranks}: rounds come from a thread or from ranks of their own, not both; "
+                        "set one of them")
+    if (rollout.max_staleness > 0 or rollout.sampler_thread or rollout.rollout_ranks) and rollout.filter_groups:
+        problems.append("rollout.filter_groups (dynamic sampling) decides how many generation batches a round draws "
+                        "from the trainer's scores, so its rounds cannot be sampled ahead; set rollout.filter_groups "
+                        "= false, or rollout.max_staleness = 0, rollout.sampler_thread = false and "
+                        "rollout.rollout_ranks = 0")
+    return problems
 
 
 def dynamic_sampling_problems(config: Config) -> list[str]:

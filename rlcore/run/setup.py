@@ -226,14 +226,15 @@ class Run:
             with self.engine.gathered(self.model) as model:
                 yield model
 
-    def tool_turns(self, rows: list[dict]) -> tuple[list[list[int]], ToolTurns]:
+    def tool_turns(self, rows: list[dict], fresh: bool = False) -> tuple[list[list[int]], ToolTurns]:
         """The prompts and the end_of_turn of a rollout with tools: with an environment factory,
-        one environment per row, reset on it, its prompt re-rendered when reset returned text to
-        append."""
+        one environment per row (`fresh`: new ones, not the pool's), reset on it, its prompt
+        re-rendered when reset returned text to append."""
         data_cfg, toolbox = self.cfg.data, self.toolbox
         prompts, environments = [row["prompt_ids"] for row in rows], None
         if toolbox.environment_factory is not None:
-            environments = toolbox.environments(len(rows))
+            environments = ([toolbox.new_environment() for _ in rows] if fresh
+                            else toolbox.environments(len(rows)))
             for i, (row, environment) in enumerate(zip(rows, environments)):
                 prompt = reset_environment(environment, row)
                 if prompt is not row["prompt"]:
@@ -398,6 +399,12 @@ def setup(cfg: Config, resume: str | os.PathLike | RunDir | None = None) -> Run:
               f"step(s) per round: "
               f"max_steps = {max_steps}", flush=True)
 
+    if main and rollout_cfg.max_staleness and not loss_cfg.tis_mode:
+        warnings.warn(f"rollout.max_staleness = {rollout_cfg.max_staleness} trains on rounds sampled by older weights, "
+                      f"and loss.tis_mode is off: the ratio's pi_old is the policy at the round's start, and nothing "
+                      f"corrects for the older policy that sampled it (docs/async.md); set loss.tis_mode = "
+                      f"'token_truncate' (with loss.tis_max) to weight each token by pi_old / pi_sampler",
+                      RlcoreWarning, stacklevel=2)
     run_dir.check_steps_left(max_steps)  # a finished run: nothing is evaluated or rewritten
     run_dir.create(cfg, world)  # every input loaded and checked: a bad one leaves no run directory behind
 

@@ -144,7 +144,9 @@ class RunState:
                 "nonfinite_in_row": self.nonfinite_in_row, "before": self.before,
                 "entropy_bonus": self.bonus.state_dict() if self.bonus.adaptive else None,
                 "grad_scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
-                "overflow_skips": self.overflow_skips}
+                "overflow_skips": self.overflow_skips,
+                # asynchronous rollouts: the weights fixed for the rounds sampled ahead (rollout.sources)
+                "sampler_weights": resume_point.get("sampler_weights")}
 
     def load_state_dict(self, saved: dict, rank: int) -> None:
         """Restore the saved state on rank `rank`. A sharded checkpoint resumes on any rank count:

@@ -166,10 +166,13 @@ class StepLog:
         self.times[key] = self.times.get(key, 0.0) + clock(self.device) - start
 
     def round(self, scores, lengths: torch.Tensor, truncated: torch.Tensor, mask: torch.Tensor, samp: torch.Tensor,
-              turns: ToolTurns | ToolCounts | None, old: torch.Tensor | None, tis: torch.Tensor | None) -> None:
+              turns: ToolTurns | ToolCounts | None, old: torch.Tensor | None, tis: torch.Tensor | None,
+              staleness: int = 0) -> None:
         """A round's statistics: `scores` (train.RoundScores), this rank's completion `lengths` and
-        `truncated` `[n]`, loss `mask` and engine log-probs `samp` `[n, Tc]`, the tools' `turns`, and
-        the old log-probs and TIS weights `[n, Tc]` when the round has them. Starts the update's clock."""
+        `truncated` `[n]`, loss `mask` and engine log-probs `samp` `[n, Tc]`, the tools' `turns`, the
+        old log-probs and TIS weights `[n, Tc]` when the round has them, and its `staleness`: the
+        optimizer steps between the weights that sampled it and those that start training on it.
+        Starts the update's clock."""
         world, device = self.world, self.device
         every_length = collectives.gather_rows(lengths, world)  # the round's completions, all ranks
         every_truncated = collectives.gather_rows(truncated.float(), world)
@@ -179,6 +182,7 @@ class StepLog:
                             "completion/len_max": every_length.max().item(),
                             "completion/truncated_frac": every_truncated.mean().item(),
                             "tokens_per_s/rollout": every_length.sum().item() / max(self.times["time/rollout"], 1e-9),
+                            "async/staleness": staleness,
                             **(tool_metrics(turns, world, device) if turns else {})}
         if self.train_cfg.log_completions:  # every rank's texts and log_extra columns; rank 0 writes them
             texts = collectives.gather_objects((scores.prompts, scores.completions, scores.extra_columns), world)

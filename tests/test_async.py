@@ -1,0 +1,137 @@
+"""Asynchronous rollouts (rollout.max_staleness, docs/async.md): a round sampled ahead by a thread
+equals the synchronous loop at staleness 0, and at staleness 1 equals a reference written here: the
+synchronous loop whose round k is sampled from the weights saved before round k - 1 trained."""
+
+import copy
+
+import pytest
+import torch
+
+import rlcore.train
+from rlcore import ConfigError
+from rlcore.rollout.sources import SampledRound
+from rlcore.train import next_prompts, sample_round, train
+from test_train import assert_same_run, config, rows, run_and_crash, without_timing
+from rlcore.cli import main
+from rlcore.run.checkpoints import latest_checkpoint
+
+pytestmark = pytest.mark.usefixtures("embedded_dir")  # conftest: the embedded model, one torch thread
+# rounds of 2 optimizer steps (S = 2, GA = 1), so a round's version is not just the step before it
+ROUNDS_OF_TWO = ["train.steps_per_generation=2", "loss.tis_mode=token_truncate", "train.max_steps=6",
+                 "train.save_steps=6"]
+
+
+def same_runs(a, b, step: int) -> None:
+    """Runs a and b trained alike: metrics rows field for field, weights bit for bit."""
+    assert_same_run(a, b, step)
+    assert len(rows(a)) == step
+
+
+def test_a_sampler_thread_at_staleness_0_equals_the_inline_loop(tmp_path):
+    train(config(tmp_path / "inline", *ROUNDS_OF_TWO))
+    train(config(tmp_path / "thread", *ROUNDS_OF_TWO, "rollout.sampler_thread=true"))
+    same_runs(tmp_path / "inline", tmp_path / "thread", 6)
+    assert {r["async/staleness"] for r in rows(tmp_path / "thread")} == {0}
+
+
+class DelayedRounds:
+    """The reference: synchronous, in line, but round k sampled by a copy of the policy holding the
+    weights saved when round k - 1 started (round 0: the first weights)."""
+
+    def __init__(self, run, state):
+        self.run, self.saved = run, []  # (step, weights) at each round's start
+        self.policy = copy.deepcopy(run.model)
+
+    def next(self, state) -> SampledRound:
+        run, geometry = self.run, self.run.geometry
+        self.saved.append((state.step, {k: v.clone() for k, v in run.model.state_dict().items()}))
+        step, saved = self.saved[max(0, len(self.saved) - 2)]
+        self.policy.load_state_dict(saved)
+        prompts = next_prompts(run.train_set, state.data_pos, geometry.prompts_per_round, run.cfg.train.seed)
+        rows = [example for example in prompts for _ in range(geometry.G)]
+        rollout, turns = sample_round(run, self.policy.eval(), rows, state.sampler, "reference")
+        return SampledRound(rows, rollout, turns, step, state.sampler.get_state())
+
+    def trained(self, step):
+        pass
+
+    def resume_point(self):
+        return {}
+
+    def close(self):
+        pass
+
+
+def test_staleness_1_equals_the_synchronous_loop_sampling_from_the_weights_before_the_last_round(tmp_path,
+                                                                                                 monkeypatch):
+    train(config(tmp_path / "async", *ROUNDS_OF_TWO, "rollout.max_staleness=1"))
+    with monkeypatch.context() as patch:
+        patch.setattr(rlcore.train, "round_source", DelayedRounds)
+        train(config(tmp_path / "reference", *ROUNDS_OF_TWO, "rollout.max_staleness=1"))
+    same_runs(tmp_path / "reference", tmp_path / "async", 6)
+    assert [r["async/staleness"] for r in rows(tmp_path / "async")] == [0, 0, 2, 2, 2, 2]
+    # and it is not the synchronous run: the rounds after the first came from older weights
+    train(config(tmp_path / "sync", *ROUNDS_OF_TWO))
+    assert without_timing(rows(tmp_path / "sync")[2]) != without_timing(rows(tmp_path / "async")[2])
+
+
+def test_staleness_2_with_weights_published_every_3_steps_samples_from_the_versions_it_fixed(tmp_path):
+    """Rounds of 2 steps, weight_sync_steps = 3: versions at steps 0, 3, 6, ...; round r is sampled
+    with the newest one at the start of round r - 2: rounds 0-2 at 0, round 3 (start of round 1,
+    step 2) at 0, round 4 (step 4) at 3. The staleness is the round's start minus that."""
+    train(config(tmp_path / "run", *ROUNDS_OF_TWO, "rollout.max_staleness=2", "rollout.weight_sync_steps=3",
+                 "train.max_steps=10", "train.save_steps=10"))
+    staleness = [r["async/staleness"] for r in rows(tmp_path / "run")]
+    assert staleness == [0, 0, 2, 2, 4, 4, 6, 6, 5, 5]
+
+
+def test_a_resume_with_staleness_1_samples_the_round_in_flight_again_and_matches_an_uninterrupted_run(tmp_path):
+    """The crash comes at the step-4 checkpoint; the resume starts from checkpoint-2, whose
+    trainer state holds the weights fixed for round 2 (those of step 0): it samples that round
+    again, the same, and ends where the uninterrupted run did."""
+    steps = [*ROUNDS_OF_TWO, "rollout.max_staleness=1", "train.max_steps=4", "train.save_steps=2"]
+    run_and_crash(tmp_path, steps, crash_step=4)
+    assert latest_checkpoint(tmp_path / "b").name == "checkpoint-2"
+    assert main(["train", "--resume", str(tmp_path / "b")]) == 0
+    same_runs(tmp_path / "a", tmp_path / "b", 4)
+    assert [r["async/staleness"] for r in rows(tmp_path / "b")] == [0, 0, 2, 2]
+
+
+def test_a_failing_sampler_thread_stops_the_run_with_its_error(tmp_path, monkeypatch):
+    def fails(*args, **kwargs):
+        raise ValueError("the engine broke")
+
+    monkeypatch.setattr(rlcore.train, "sample_completions", fails)
+    with pytest.raises(RuntimeError, match="sampler thread failed: ValueError: the engine broke"):
+        train(config(tmp_path / "run", "rollout.max_staleness=1", "train.max_steps=2"))
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("rollout.max_staleness=-1", "rollout.max_staleness = -1 must be >= 0"),
+    ("rollout.weight_sync_steps=0", "rollout.weight_sync_steps = 0 must be >= 1"),
+    ("rollout.weight_sync_steps=2", "set max_staleness >= 1"),
+    ("rollout.rollout_ranks=1", "rollout.rollout_ranks = 1 must be >= 0 and below the world size (1 rank(s))"),
+    ("rollout.sampler_timeout=0", "rollout.sampler_timeout = 0"),
+])
+def test_bad_async_settings_are_config_errors_that_name_the_value(setting, message, tmp_path):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        config(tmp_path / "run", setting)
+
+
+def test_dynamic_sampling_cannot_be_sampled_ahead(tmp_path):
+    with pytest.raises(ConfigError, match="its rounds cannot be sampled ahead"):
+        config(tmp_path / "run", "rollout.filter_groups=true", "rollout.max_staleness=1")
+
+
+def test_staleness_without_tis_warns_that_the_behaviour_policy_is_not_corrected_for(tmp_path):
+    with pytest.warns(UserWarning, match="loss.tis_mode is off"):
+        train(config(tmp_path / "run", "rollout.max_staleness=1", "train.max_steps=1"))
+
+
+def test_the_sampled_rounds_weights_are_the_policys_not_a_view_that_training_changes(tmp_path):
+    from rlcore.rollout.sources import weights_of
+    model = torch.nn.Linear(2, 2)
+    copied = weights_of(model)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    assert not torch.equal(copied["weight"], model.weight)
