@@ -75,39 +75,64 @@ class InlineRounds:
         pass
 
 
+class Versions:
+    """Which weights sample which round, as the trainer decides it: each version it publishes
+    (`publish`, after an optimizer step that is a multiple of weight_sync_steps), and at the start
+    of each round q (`start_round`) the newest one fixed as round q + s's. A version stays until
+    the round that uses it is taken (`took`), so a checkpoint between the two holds it
+    (`resume_point`): the resumed run samples that round again, the same. Rounds are counted from
+    the source's first; rounds 0 .. s-1 have the saved run's versions, or the current weights."""
+
+    def __init__(self, staleness: int, current: tuple[int, Weights], saved: dict | None):
+        self.staleness = staleness
+        versions = [current] * (staleness + 1)
+        if saved and len(saved["versions"]) == staleness + 1:  # else the saved run had another max_staleness
+            versions = [(step, saved["weights"][i]) for step, i in saved["versions"]]
+        self.fixed: dict[int, tuple[int, Weights]] = dict(enumerate(versions[:-1]))  # round -> (step, weights)
+        self.newest = versions[-1]
+        self.taken = 0  # rounds the trainer has taken
+
+    def start_round(self) -> int:
+        """Round `taken` starts: fix the newest version for round taken + s, and return that round."""
+        self.fixed.setdefault(self.taken + self.staleness, self.newest)
+        return self.taken + self.staleness
+
+    def took(self) -> None:
+        del self.fixed[self.taken]
+        self.taken += 1
+
+    def publish(self, step: int, weights: Weights) -> None:
+        self.newest = (step, weights)
+
+    def resume_point(self) -> dict:
+        """The versions fixed for the next s rounds, in order, and the newest: a checkpoint's
+        `sampler_weights`, each version's tensors once."""
+        versions = [self.fixed[q] for q in range(self.taken, self.taken + self.staleness)] + [self.newest]
+        unique = list({id(weights): weights for _, weights in versions}.values())
+        order = {id(weights): i for i, weights in enumerate(unique)}
+        return {"sampler_weights": {"weights": unique,
+                                    "versions": [(step, order[id(weights)]) for step, weights in versions]}}
+
+
 class ThreadedRounds:
     """Rounds sampled ahead by a thread on its own copy of the policy (`copy.deepcopy` of the
-    trainer's, so LoRA adapters and dtypes come along), `staleness` rounds behind the trainer.
-
-    The trainer tells the sampler two things: each version it publishes (`trained`, after an
-    optimizer step that is a multiple of weight_sync_steps) and each round it starts (`next`). When
-    round q starts, the newest version is fixed as the weights of round q + s, and round q + s may
-    be sampled. A version stays until the round that uses it is taken, so a checkpoint between the
-    two holds it (`resume_point`): the resumed run samples that round again, the same."""
+    trainer's, so LoRA adapters and dtypes come along), at most s + 1 rounds ahead of the trainer,
+    each with the version `Versions` fixed for it."""
 
     def __init__(self, sample: Sample, draw: Callable[[int], list[dict]], generating, state, staleness: int,
                  weight_sync_steps: int, rounds: int, prompts_per_round: int, saved: dict | None = None,
                  timeout: float = 600.0):
-        self.sample, self.draw, self.generating, self.staleness = sample, draw, generating, staleness
+        self.sample, self.draw, self.generating = sample, draw, generating
         self.weight_sync_steps, self.prompts_per_round, self.rounds = weight_sync_steps, prompts_per_round, rounds
         self.timeout = timeout
         with generating() as policy:
             self.policy = copy.deepcopy(policy).requires_grad_(False).eval()
-            current = (state.step, weights_of(policy))
-        # round (counted from this source's first) -> its version (step, weights); rounds 0 .. s-1
-        # come from the checkpoint (the versions the saved run had fixed for them) or are the
-        # current weights, as is the newest version published until the next one
-        versions = [current] * (staleness + 1)
-        if saved and len(saved["versions"]) == staleness + 1:  # else the saved run had another max_staleness
-            versions = [(step, saved["weights"][i]) for step, i in saved["versions"]]
-        self.fixed: dict[int, tuple[int, Weights]] = dict(enumerate(versions[:-1]))
-        self.newest = versions[-1]
-        self.taken = 0  # rounds the trainer has taken
+            self.versions = Versions(staleness, (state.step, weights_of(policy)), saved)
         self.generator = torch.Generator(device=state.sampler.device)
         self.generator.set_state(state.sampler.get_state())
         self.data_pos = state.data_pos
         self.ready: queue.Queue = queue.Queue()
-        self.changed = threading.Condition()
+        self.changed = threading.Condition()  # guards `versions`, shared with the sampler thread
         self.stopping = False
         self.thread = threading.Thread(target=self._sample_rounds, name="rlcore-sampler", daemon=True)
         self.thread.start()
@@ -115,10 +140,10 @@ class ThreadedRounds:
     # -- the trainer's side
 
     def next(self, state) -> SampledRound:
-        """The next round, once sampled; its version for round taken + s is fixed first, so the
-        sampler can start on that one while this one trains."""
+        """The next round, once sampled; the version of the round s later is fixed first, so the
+        sampler can start on it while this one trains."""
         with self.changed:
-            self.fixed.setdefault(self.taken + self.staleness, self.newest)
+            self.versions.start_round()
             self.changed.notify_all()
         try:
             item = self.ready.get(timeout=self.timeout)
@@ -128,8 +153,7 @@ class ThreadedRounds:
         if isinstance(item, BaseException):
             raise RuntimeError(f"the sampler thread failed: {type(item).__name__}: {item}") from item
         with self.changed:
-            del self.fixed[self.taken]
-        self.taken += 1
+            self.versions.took()
         state.sampler.set_state(item.sampler_rng)  # what a checkpoint continues from
         return item
 
@@ -137,17 +161,13 @@ class ThreadedRounds:
         """After optimizer step `step`: publish the weights when it is a multiple of weight_sync_steps."""
         if publishes(step, self.weight_sync_steps):
             with self.generating() as policy:
-                self.newest = (step, weights_of(policy))
+                weights = weights_of(policy)
+            with self.changed:
+                self.versions.publish(step, weights)
 
     def resume_point(self) -> dict:
-        """The versions fixed for the next s rounds, in order, and the newest: what a resume samples
-        them with (a checkpoint's `sampler_weights`)."""
         with self.changed:
-            versions = [self.fixed[q] for q in range(self.taken, self.taken + self.staleness)] + [self.newest]
-        unique = list({id(weights): weights for _, weights in versions}.values())  # each version's tensors once
-        order = {id(weights): i for i, weights in enumerate(unique)}
-        return {"sampler_weights": {"weights": unique,
-                                    "versions": [(step, order[id(weights)]) for step, weights in versions]}}
+            return self.versions.resume_point()
 
     def close(self) -> None:
         with self.changed:
@@ -162,10 +182,10 @@ class ThreadedRounds:
         try:
             for q in range(self.rounds):
                 with self.changed:
-                    self.changed.wait_for(lambda: self.stopping or q in self.fixed)
+                    self.changed.wait_for(lambda: self.stopping or q in self.versions.fixed)
                     if self.stopping:
                         return
-                    version, weights = self.fixed[q]
+                    version, weights = self.versions.fixed[q]
                 if loaded is not weights:
                     self.policy.load_state_dict(weights)
                     loaded = weights
