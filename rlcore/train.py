@@ -48,12 +48,13 @@ from rlcore.losses.masks import entropy_mask, mask_truncated, tis_weights
 from rlcore.losses.policy import PolicyLossOptions, policy_loss
 from rlcore.models.transformer import Transformer, mix_into
 from rlcore.parallel import collectives, fsdp
+from rlcore.parallel.sampler_ranks import RemoteRounds, serve_rounds
 from rlcore.rewards.scoring import RewardFunctionError, RewardState, reward_extras, reward_inputs, score_completions
 from rlcore.rollout.completions import completion_texts, completion_token_ids, sample_completions, tool_reward_kwargs
 from rlcore.rollout.dynamic_sampling import GenerationBatches
 from rlcore.rollout.engine import Rollout
 from rlcore.rollout.sources import InlineRounds, ThreadedRounds
-from rlcore.run.rundir import RunDir
+from rlcore.run.rundir import RunDir, resume_command
 from rlcore.run.setup import Run, setup
 from rlcore.run.state import RunState
 from rlcore.run.steplog import MicroBatch, Progress, StepLog, Stepped
@@ -91,23 +92,43 @@ def sample_round(run: Run, policy: Transformer, rows: list[dict], generator: tor
                                                           f"{finished}/{rows_label} done"))
 
 
-def round_source(run: Run, state: RunState) -> InlineRounds | ThreadedRounds:
-    """Step 1's rounds: sampled in line (rollout.max_staleness = 0), or ahead by a sampler thread
-    on its own copy of the weights (max_staleness > 0, or rollout.sampler_thread)."""
+def round_rows(run: Run, data_pos: int) -> list[dict]:
+    """Every rank's rows of the round whose first prompt is `data_pos`: each prompt G times."""
+    prompts = next_prompts(run.train_set, data_pos, run.geometry.prompts_per_round, run.cfg.train.seed)
+    return [example for example in prompts for _ in range(run.geometry.G)]
+
+
+def round_source(run: Run, state: RunState) -> InlineRounds | ThreadedRounds | RemoteRounds:
+    """Step 1's rounds: sampled in line (rollout.max_staleness = 0), ahead by a sampler thread on
+    its own copy of the weights (max_staleness > 0, or rollout.sampler_thread), or by the sampler
+    ranks (rollout.rollout_ranks)."""
     rollout_cfg, geometry = run.cfg.rollout, run.geometry
     mine = slice(run.rank * geometry.completions_per_rank, (run.rank + 1) * geometry.completions_per_rank)
 
-    def draw(data_pos: int) -> list[dict]:  # this rank's rows of the round whose first prompt is data_pos
-        prompts = next_prompts(run.train_set, data_pos, geometry.prompts_per_round, run.cfg.train.seed)
-        return [example for example in prompts for _ in range(geometry.G)][mine]
+    def draw(data_pos: int) -> list[dict]:  # this rank's rows
+        return round_rows(run, data_pos)[mine]
 
-    if not (rollout_cfg.max_staleness or rollout_cfg.sampler_thread):
-        return InlineRounds(functools.partial(sample_round, run), draw, run.generating)
     rounds_left = math.ceil((geometry.max_steps - state.step) / geometry.steps_per_round)
     saved = run.saved_state.get("sampler_weights") if run.saved_state else None
+    if run.ranks:
+        return RemoteRounds(run.ranks, draw, run.generating, state, rollout_cfg.max_staleness,
+                            rollout_cfg.weight_sync_steps, rounds_left, saved, run.toolbox, run.tok,
+                            f"Resume it with: {resume_command(run.dir.path, run.ranks.world)}")
+    if not (rollout_cfg.max_staleness or rollout_cfg.sampler_thread):
+        return InlineRounds(functools.partial(sample_round, run), draw, run.generating)
     return ThreadedRounds(functools.partial(sample_round, run, fresh_environments=True), draw, run.generating, state,
                           rollout_cfg.max_staleness, rollout_cfg.weight_sync_steps, rounds_left,
                           geometry.prompts_per_round, saved, rollout_cfg.sampler_timeout)
+
+
+def sample_for_the_trainers(run: Run) -> dict:
+    """A sampler rank's run (rollout.rollout_ranks): it samples the trainer ranks' rows, round
+    after round, with the weights trainer rank 0 sends (rlcore.parallel.sampler_ranks)."""
+    run.model.eval()
+    serve_rounds(run.ranks, run.model, functools.partial(sample_round, run, fresh_environments=True),
+                 functools.partial(round_rows, run), run.geometry.completions_per_rank, run.geometry.prompts_per_round,
+                 f"Resume it with: {resume_command(run.dir.path, run.ranks.world)}")
+    return {"before": None, "after": None, "run_dir": str(run.dir)}
 
 
 @dataclass
@@ -311,6 +332,8 @@ def train(cfg: Config, resume: str | os.PathLike | RunDir | None = None) -> dict
     """Run GRPO as configured (`cfg` as load_config checked it); returns {'before': acc, 'after':
     acc, 'run_dir': path}. `resume`: a run directory to continue from its latest checkpoint."""
     run = setup(cfg, resume)  # models, tokenizer, data, reward functions, geometry, optimizer, run directory
+    if run.ranks and run.ranks.samples:  # rollout.rollout_ranks: this rank samples for the others, and only that
+        return sample_for_the_trainers(run)
     loss_cfg, rollout_cfg, train_cfg = cfg.loss, cfg.rollout, cfg.train
     model, ref, device, world, main = run.model, run.ref, run.device, run.world, run.main
     # SPEC 1's batch geometry: a round is N = b*S*world completions, N/G prompts x G samples

@@ -3,6 +3,13 @@ equals the synchronous loop at staleness 0, and at staleness 1 equals a referenc
 synchronous loop whose round k is sampled from the weights saved before round k - 1 trained."""
 
 import copy
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +18,7 @@ import rlcore.train
 from rlcore import ConfigError
 from rlcore.rollout.sources import SampledRound
 from rlcore.train import next_prompts, sample_round, train
-from test_train import assert_same_run, config, rows, run_and_crash, without_timing
+from test_train import assert_same_run, cli_args, config, rows, run_and_crash, torchrun, without_timing
 from rlcore.cli import main
 from rlcore.run.checkpoints import latest_checkpoint
 
@@ -135,3 +142,64 @@ def test_the_sampled_rounds_weights_are_the_policys_not_a_view_that_training_cha
     with torch.no_grad():
         model.weight.add_(1.0)
     assert not torch.equal(copied["weight"], model.weight)
+
+
+# ---- disaggregated: under torchrun, rollout.rollout_ranks = 1 of 2 ranks only samples ----
+
+def test_a_sampler_rank_and_a_trainer_rank_at_staleness_0_equal_the_one_process_loop(tmp_path):
+    train(config(tmp_path / "one", *ROUNDS_OF_TWO))
+    out = torchrun(tmp_path, *cli_args(tmp_path / "two", *ROUNDS_OF_TWO, "rollout.rollout_ranks=1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    same_runs(tmp_path / "one", tmp_path / "two", 6)
+
+
+def test_a_sampler_rank_at_staleness_1_samples_what_the_sampler_thread_does(tmp_path):
+    """The same versions, RNG streams and rows, whether a thread or a rank samples them (and so the
+    delayed reference above)."""
+    train(config(tmp_path / "thread", *ROUNDS_OF_TWO, "rollout.max_staleness=1"))
+    out = torchrun(tmp_path, *cli_args(tmp_path / "ranks", *ROUNDS_OF_TWO, "rollout.max_staleness=1",
+                                       "rollout.rollout_ranks=1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    same_runs(tmp_path / "thread", tmp_path / "ranks", 6)
+    assert [r["async/staleness"] for r in rows(tmp_path / "ranks")] == [0, 0, 2, 2, 2, 2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_sampler_rank_killed_mid_run_stops_the_trainer_with_an_error_and_the_run_resumes(tmp_path):
+    """The two ranks are started as torchrun starts them (its environment variables), so the test
+    can kill the sampler with SIGKILL itself and see what the trainer does: it stops within
+    seconds, saying which rank and how to resume (not torchrun's teardown), and the resumed run
+    ends where an uninterrupted one does."""
+    steps = [*ROUNDS_OF_TWO, "rollout.max_staleness=1", "train.max_steps=12", "train.save_steps=2"]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    command = [sys.executable, "-m", "rlcore.cli", *cli_args(tmp_path / "run", *steps, "rollout.rollout_ranks=1")]
+    trainer, sampler = (subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=tmp_path,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1))
+    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.time() + 240
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 5) and time.time() < deadline:
+        time.sleep(0.02)
+    sampler.send_signal(signal.SIGKILL)
+    killed = time.time()
+    _, err = trainer.communicate(timeout=120)
+    sampler.communicate()
+    assert trainer.returncode == 1 and time.time() - killed < 60
+    assert "rlcore: error: sampler rank 1 stopped" in err and "Resume it with: torchrun --nproc_per_node=2" in err
+    assert len(rows(tmp_path / "run")) < 12  # it stopped mid-run
+
+    out = torchrun(tmp_path, "train", "--resume", str(tmp_path / "run"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    train(config(tmp_path / "uninterrupted", *steps))  # the thread samples as the rank does (above)
+    same_runs(tmp_path / "uninterrupted", tmp_path / "run", 12)
+
+
+def test_rollout_ranks_with_fsdp_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="train replicated; set train.fsdp = false"):
+        from rlcore.config import load_config
+        from rlcore.cli import DEFAULT_CONFIG
+        load_config(DEFAULT_CONFIG, ["rollout.rollout_ranks=1", "train.fsdp=true"], world_size=2)

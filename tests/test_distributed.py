@@ -80,7 +80,7 @@ def _embedded_dir_on_rank(rank, init_file, out_dir, cache):
     os.environ["RLCORE_CACHE"] = cache
     rlcore.run.setup.build_embedded_model = build
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    rlcore.run.setup.embedded_model_dir(load_config(None, []), rank, 2)
+    rlcore.run.setup.embedded_model_dir(load_config(None, []), rank)
     dist.destroy_process_group()
 
 

@@ -102,7 +102,7 @@ class RolloutArgs:
     """sample on a thread with its own copy of the weights even at max_staleness = 0 (on by itself above 0)"""
     rollout_ranks: int = 0
     """under torchrun: this many ranks (the last ones) only sample, the others only train (0 = each does both)"""
-    sampler_timeout: float = 600.0
+    sampler_timeout: float = 1800.0
     """seconds the trainer waits for a round sampled ahead (or a sampler rank for weights) before the run stops"""
 
 

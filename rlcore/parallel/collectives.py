@@ -44,6 +44,13 @@ def init(device: torch.device, cpu_collectives: bool = False) -> tuple[int, int,
 
 
 _ended_group = False  # close() ended a process group in this process: leave() skips the teardown
+_trainers = None  # the process group of the training ranks (None: every rank; rlcore.parallel.sampler_ranks)
+
+
+def train_among(group) -> None:
+    """Run this module's collectives in `group`: the ranks that train, when others only sample."""
+    global _trainers
+    _trainers = group
 
 
 def close() -> None:
@@ -78,7 +85,7 @@ def gather_rows(x: torch.Tensor, world: int) -> torch.Tensor:
     if world == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous())
+    dist.all_gather(parts, x.contiguous(), group=_trainers)
     return torch.cat(parts)
 
 
@@ -109,7 +116,7 @@ def _all_reduce(values: list[float], world: int, device: torch.device | None, op
     if world == 1 or not values:
         return [float(v) for v in values]
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op)
+    dist.all_reduce(t, op=op, group=_trainers)
     return t.tolist()
 
 
@@ -135,7 +142,7 @@ def average_gradients(model: torch.nn.Module, world: int, bucket_bytes: int = BU
         size += g.numel() * g.element_size()
         if i + 1 == len(grads) or size >= bucket_bytes or grads[i + 1].dtype != g.dtype:
             flat = torch.cat([b.reshape(-1) for b in bucket])
-            dist.all_reduce(flat)
+            dist.all_reduce(flat, group=_trainers)
             flat /= world
             offset = 0
             for b in bucket:
@@ -159,6 +166,12 @@ def check_replicas_agree(model: torch.nn.Module, world: int) -> None:
 def barrier(world: int) -> None:
     """Wait until every rank gets here."""
     if world > 1:
+        dist.barrier(group=_trainers)
+
+
+def barrier_all() -> None:
+    """Wait until every launched rank gets here, those that only sample too (a no-op without a group)."""
+    if dist.is_available() and dist.is_initialized():
         dist.barrier()
 
 
@@ -167,7 +180,7 @@ def gather_objects(obj, world: int) -> list:
     if world == 1:
         return [obj]
     out = [None] * world
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=_trainers)
     return out
 
 

@@ -144,7 +144,8 @@ class RunDir:
     def to_resume(cls, path: str | os.PathLike, world: int, main: bool = True) -> RunDir:
         """The run directory `path`, checked for a --resume on `world` ranks before its config
         loads: it exists, `latest` names a checkpoint, config.toml records the run, and the run
-        trained on `world` ranks (a sharded run resumes on any count)."""
+        trained on `world` ranks (a sharded run resumes on any count), besides the ranks that only
+        sampled (rollout.rollout_ranks)."""
         run_dir = cls(path, main)
         path = run_dir.path
         if not path.is_dir():
@@ -159,9 +160,11 @@ class RunDir:
             raise ValueError(f"--resume {path}: {run_dir.config_toml} does not begin as the config.toml rlcore writes "
                              f"({RUN_CONFIG_HEADER.rstrip()!r}, then '# ranks = P'); restore those two lines")
         sharded = run_dir.recorded().get("train", {}).get("fsdp", False)
-        if ranks != world and not sharded:
-            raise ValueError(f"--resume {path}: the run was trained on {ranks} rank(s) and this command starts "
-                             f"{world}; resume it on as many: {resume_command(path, ranks)}")
+        samplers = run_dir.recorded().get("rollout", {}).get("rollout_ranks", 0)
+        if ranks != world - samplers and not sharded:
+            also = f" (and {samplers} that only sampled)" if samplers else ""
+            raise ValueError(f"--resume {path}: the run was trained on {ranks} rank(s){also} and this command starts "
+                             f"{world}; resume it on as many: {resume_command(path, ranks + samplers)}")
         return run_dir
 
     def no_latest_hint(self) -> str:

@@ -32,6 +32,7 @@ from rlcore.models.lora import apply_lora, keep_as_reference, load_adapter, refe
 from rlcore.models.tokenizer import Tokenizer, check_vocab_fits
 from rlcore.models.transformer import Transformer, weight_layout_difference
 from rlcore.parallel import collectives, fsdp
+from rlcore.parallel.sampler_ranks import Ranks
 from rlcore.rewards.reward_model import RewardModel
 from rlcore.rewards.scoring import REWARD_EXTRAS, check_reward_funcs, dataset_columns, get_reward_funcs
 from rlcore.run.checkpoints import load_resumed_model, way_back
@@ -128,7 +129,7 @@ def reference_model(cfg: Config, model, model_dir: Path, checkpoint: Path | None
     return ref
 
 
-def embedded_model_dir(cfg: Config, rank: int = 0, world: int = 1) -> Path:
+def embedded_model_dir(cfg: Config, rank: int = 0) -> Path:
     """The embedded default checkpoint, built on first run from the task's training problems.
 
     Cached under $RLCORE_CACHE (default ~/.cache/rlcore), keyed by what decides its contents,
@@ -148,12 +149,12 @@ def embedded_model_dir(cfg: Config, rank: int = 0, world: int = 1) -> Path:
     pool = unique_problems(data_cfg.task, 10**6, data_cfg.seed)[data_cfg.num_eval:]  # everything but the eval set
     local = int(os.environ.get("LOCAL_RANK", rank))  # torchrun: the rank on this machine (its cache may be its own)
     if local != 0:
-        collectives.barrier(world)
+        collectives.barrier_all()
     elif data_cfg.task == "arithmetic" and (why := why_a_model_of_its_own(cache, data_cfg.seed, data_cfg.num_eval)):
         print(why, flush=True)
     path = build_embedded_model(where, pool, task=data_cfg.task)
     if local == 0:
-        collectives.barrier(world)
+        collectives.barrier_all()
     return path
 
 
@@ -203,6 +204,7 @@ class Run:
     checkpoint: Path | None  # on --resume, the checkpoint it continues from
     saved_state: dict | None  # and that checkpoint's trainer state
     engine: fsdp.EngineCopy | None = None  # under FSDP, the rollout engine's plain copy of the policy
+    ranks: Ranks | None = None  # rollout.rollout_ranks: which ranks train and which only sample
     toolbox: Toolbox | None = None  # rollout.tools and rollout.environment_factory, when set
 
     @property
@@ -296,13 +298,17 @@ def setup(cfg: Config, resume: str | os.PathLike | RunDir | None = None) -> Run:
     train_cfg, loss_cfg, rollout_cfg = cfg.train, cfg.loss, cfg.rollout  # the train, loss and rollout sections
     # (0, 1, device) without torchrun
     rank, world, device = collectives.init(pick_device(train_cfg.device), cpu_collectives=train_cfg.fsdp_offload)
+    launched, ranks = world, None  # rollout.rollout_ranks: the last ranks only sample; `world` counts the others
+    if rollout_cfg.rollout_ranks and world > 1:
+        ranks = Ranks(world, rollout_cfg.rollout_ranks, rollout_cfg.sampler_timeout)
+        world = ranks.trainers
     if device.type == "cpu":
         reuse_freed_memory()
     main = rank == 0  # rank 0 alone prints and writes files
     if isinstance(resume, RunDir):  # the command line checked it
         run_dir = resume
     elif resume:
-        run_dir = RunDir.to_resume(resume, world, main)
+        run_dir = RunDir.to_resume(resume, launched, main)
     else:
         run_dir = RunDir(train_cfg.output_dir, main)
         run_dir.check_new()
@@ -326,7 +332,7 @@ def setup(cfg: Config, resume: str | os.PathLike | RunDir | None = None) -> Run:
     tool_mask = ["tool_mask"] if cfg.rollout.tools or cfg.rollout.environment_factory else []  # with tools
     check_reward_funcs(reward_funcs, ["prompts", "completions", *REWARD_EXTRAS, *environments, *tool_mask, *columns])
     model_dir = (Path(cfg.model.path) if cfg.model.path not in EMBEDDED_MODEL_PATHS
-                 else embedded_model_dir(cfg, rank, world))
+                 else embedded_model_dir(cfg, rank))
     check_model_dir(model_dir)  # before its tokenizer: an rlcore checkpoint or a LoRA adapter is named as such
     tok = Tokenizer.from_dir(model_dir)
     toolbox = load_toolbox(rollout_cfg, tok, model_dir, main)  # before a model loads, as the reward functions
@@ -365,7 +371,7 @@ def setup(cfg: Config, resume: str | os.PathLike | RunDir | None = None) -> Run:
     model.gradient_checkpointing = train_cfg.gradient_checkpointing
     check_vocab_fits(tok, model.config.vocab_size, model_dir)
     # with LoRA the reference is the policy's own model with its starting adapters (Run.reference)
-    separate_ref = loss_cfg.beta and (not cfg.lora.enabled or cfg.model.ref_path)
+    separate_ref = loss_cfg.beta and (not cfg.lora.enabled or cfg.model.ref_path) and not (ranks and ranks.samples)
     ref = reference_model(cfg, model, model_dir, checkpoint, dtype, device) if separate_ref else None
     for split in (train_set, eval_set):  # the model sees the tools' schemas in every prompt, held-out ones too
         prompt_ids = encode_prompts(split, tok, cfg.data.system_prompt, cfg.data.use_chat_template,
@@ -392,7 +398,8 @@ def setup(cfg: Config, resume: str | os.PathLike | RunDir | None = None) -> Run:
     steps_per_round, max_steps = geometry.steps_per_round, geometry.max_steps
     if main:  # the batch geometry, as TRL's "total train batch size" line gives it
         print(f"{world} rank(s) x {b * S} completions = {N // G} prompts x G={G} per round; micro-batches of {b}, "
-              f"an optimizer step every {GA} ({steps_per_round} per round, mu={mu})", flush=True)
+              f"an optimizer step every {GA} ({steps_per_round} per round, mu={mu})"
+              + (f"; {ranks.samplers} more rank(s) only sample" if ranks else ""), flush=True)
     if main and train_cfg.max_steps == -1:
         print(f"num_train_epochs = {train_cfg.num_train_epochs}: {len(train_set)} prompts, "
               f"{len(train_set) // (N // G)} whole rounds of {N // G} per pass, {steps_per_round} optimizer "
@@ -421,4 +428,4 @@ def setup(cfg: Config, resume: str | os.PathLike | RunDir | None = None) -> Run:
                reward_weights=reward_weights, columns=columns,
                accuracy_fn=accuracy_fn, answer_column=answer_column, stop_sequences=stop_sequences,
                geometry=geometry, opt=opt, sched=torch.optim.lr_scheduler.LambdaLR(opt, schedule), schedule=schedule,
-               checkpoint=checkpoint, saved_state=saved_state, engine=engine, toolbox=toolbox)
+               checkpoint=checkpoint, saved_state=saved_state, engine=engine, toolbox=toolbox, ranks=ranks)

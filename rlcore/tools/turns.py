@@ -99,6 +99,18 @@ class ToolTurns:
         self.turn_start = [0] * rows  # where each row's current turn begins in its completion
         self.messages = [[] for _ in range(rows)]  # each row's finished turns: assistant, then tool messages
 
+    def __getstate__(self) -> dict:
+        """What a sampler rank sends with its round (rlcore.parallel.sampler_ranks): the rows'
+        messages, counters and environments, without the toolbox and tokenizer, which the trainer
+        has (`attach`)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("toolbox", "tokenizer", "tools")}
+
+    def attach(self, toolbox: Toolbox, tokenizer) -> ToolTurns:
+        """This rank's toolbox and tokenizer, for turns that came from another rank."""
+        self.toolbox, self.tokenizer = toolbox, tokenizer
+        self.tools = [toolbox.tools_for(environment) for environment in self.environments]
+        return self
+
     def turn(self, row: int, completion_ids: list[int]) -> tuple[str, list[ToolCall]]:
         """The text of the row's current turn and the calls in it."""
         text = self.tokenizer.decode(completion_ids[self.turn_start[row]:], skip_special_tokens=True)
