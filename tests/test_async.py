@@ -19,8 +19,11 @@ from rlcore import ConfigError
 from rlcore.rollout.sources import SampledRound
 from rlcore.train import next_prompts, sample_round, train
 from test_train import assert_same_run, cli_args, config, rows, run_and_crash, torchrun, without_timing
-from rlcore.cli import main
+from rlcore.cli import DEFAULT_CONFIG, main
+from rlcore.config import load_config
 from rlcore.run.checkpoints import latest_checkpoint
+
+from test_train_tools import model_dir  # noqa: F401 (a fixture: the tiny Qwen2 with tools)
 
 pytestmark = pytest.mark.usefixtures("embedded_dir")  # conftest: the embedded model, one torch thread
 # rounds of 2 optimizer steps (S = 2, GA = 1), so a round's version is not just the step before it
@@ -102,6 +105,17 @@ def test_a_resume_with_staleness_1_samples_the_round_in_flight_again_and_matches
     assert main(["train", "--resume", str(tmp_path / "b")]) == 0
     same_runs(tmp_path / "a", tmp_path / "b", 4)
     assert [r["async/staleness"] for r in rows(tmp_path / "b")] == [0, 0, 2, 2]
+
+
+def test_lora_at_staleness_1_samples_with_the_adapters_of_the_round_before(tmp_path, monkeypatch):
+    """The sampler's copy holds the adapters too (the engine merges them into the weights it samples with)."""
+    lora = ["lora.enabled=true", "lora.r=4", "lora.alpha=8", "lora.dropout=0.0", "train.learning_rate=1e-2"]
+    train(config(tmp_path / "async", *ROUNDS_OF_TWO, *lora, "rollout.max_staleness=1"))
+    with monkeypatch.context() as patch:
+        patch.setattr(rlcore.train, "round_source", DelayedRounds)
+        train(config(tmp_path / "reference", *ROUNDS_OF_TWO, *lora, "rollout.max_staleness=1"))
+    assert [without_timing(r) for r in rows(tmp_path / "async")] == [without_timing(r) for r in
+                                                                      rows(tmp_path / "reference")]
 
 
 def test_a_failing_sampler_thread_stops_the_run_with_its_error(tmp_path, monkeypatch):
@@ -198,8 +212,36 @@ def test_a_sampler_rank_killed_mid_run_stops_the_trainer_with_an_error_and_the_r
     same_runs(tmp_path / "uninterrupted", tmp_path / "run", 12)
 
 
+def test_tool_turns_and_environments_sampled_by_a_rank_equal_the_one_process_loop(tmp_path, model_dir):
+    """A sampler rank sends each row's tool turns and its environment with the round: the trainer's
+    reward functions score them as in one process (test_train_tools.py's tiny Qwen2 and Counter)."""
+    import test_train_tools
+    data = test_train_tools.chat_data(tmp_path)
+    options = ["data.task=jsonl", f"data.path={data}", "rollout.environment_factory=test_train_tools:Counter",
+               "loss.reward_funcs=['conftest:token_reward', 'test_train_tools:environment_reward']",
+               "train.max_steps=2", "train.save_steps=2"]
+    train(test_train_tools.config(model_dir, tmp_path / "one", *options))
+    out = torchrun(tmp_path, "train", str(DEFAULT_CONFIG), *(a for o in [f"model.path={model_dir}", "train.device=cpu",
+                                                     "data.num_train=64", "data.num_eval=4",
+                                                     "data.max_prompt_length=1000", "rollout.num_generations=4",
+                                                     "rollout.max_completion_length=48",
+                                                     "train.per_device_train_batch_size=8",
+                                                     "train.eval_steps=0", "train.eval_max_completion_length=4",
+                                                     "rollout.tools=['test_train_tools:add']",
+                                                     f"train.output_dir={tmp_path / 'two'}", *options,
+                                                     "rollout.rollout_ranks=1"] for a in ("--set", o)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [without_timing(r) for r in rows(tmp_path / "two")] == [without_timing(r) for r in rows(tmp_path / "one")]
+
+
 def test_rollout_ranks_with_fsdp_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="train replicated; set train.fsdp = false"):
-        from rlcore.config import load_config
-        from rlcore.cli import DEFAULT_CONFIG
         load_config(DEFAULT_CONFIG, ["rollout.rollout_ranks=1", "train.fsdp=true"], world_size=2)
+
+
+def test_trls_async_names_load_and_the_others_name_rlcores_options():
+    cfg = load_config(None, ["max_staleness=2", "weight_sync_steps=3"])  # TRL's flat AsyncGRPOConfig keys
+    assert cfg.rollout.max_staleness == 2 and cfg.rollout.weight_sync_steps == 3
+    with pytest.raises(ConfigError, match="heartbeat_stale_after_s: TRL's AsyncGRPOConfig; rlcore's is "
+                                          "rollout.sampler_timeout"):
+        load_config(None, ["heartbeat_stale_after_s=60"])

@@ -189,7 +189,19 @@ TRL_DEFAULTS = {("train", "lr_scheduler_type"): "linear", ("train", "bf16"): Tru
 # Other frameworks' names users bring (verl's config tree, Unsloth's loader and LoRA options):
 # an "unknown config key" error adds the rlcore equivalent, or why there is none.
 NO_QUANT = "rlcore trains full-precision weights (model.dtype float32 or bfloat16); leave it out"
+ASYNC = ("rlcore's asynchronous rollouts are rollout.max_staleness (rounds sampled ahead; TRL's AsyncGRPOConfig "
+         "name), rollout.weight_sync_steps, and rollout.rollout_ranks for ranks that only sample (docs/async.md)")
 FOREIGN = {
+    # TRL's AsyncGRPOConfig names beside max_staleness and weight_sync_steps, and the other frameworks'
+    "queue_maxsize": "TRL's AsyncGRPOConfig; rlcore's sampler holds at most rollout.max_staleness + 1 rounds",
+    "max_inflight_tasks": "TRL's AsyncGRPOConfig; rlcore samples a whole round at a time, at most "
+                          "rollout.max_staleness + 1 rounds ahead",
+    "heartbeat_stale_after_s": "TRL's AsyncGRPOConfig; rlcore's is rollout.sampler_timeout (seconds a trainer waits "
+                               "for a round, or a sampler rank for weights, before the run stops)",
+    "weight_sync_timeout": "TRL's AsyncGRPOConfig; rollout.sampler_timeout bounds every wait of rlcore's samplers",
+    "async_enable": "OpenRLHF's; " + ASYNC,
+    "async_training": "verl's fully_async_policy tree; " + ASYNC,
+    "async_level": "prime-rl's; " + ASYNC,
     "actor_rollout_ref": "verl's config tree; rlcore takes TRL's names: rollout.n -> rollout.num_generations, "
                          "rollout.response_length -> rollout.max_completion_length, actor.optim.lr -> "
                          "train.learning_rate, actor.ppo_micro_batch_size_per_gpu -> train.per_device_train_batch_size,"

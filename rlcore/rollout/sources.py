@@ -17,6 +17,7 @@ its own, on its own copy of the weights, at most s + 1 rounds ahead of the train
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import queue
 import threading
@@ -128,6 +129,8 @@ class ThreadedRounds:
         with generating() as policy:
             self.policy = copy.deepcopy(policy).requires_grad_(False).eval()
             self.versions = Versions(staleness, (state.step, weights_of(policy)), saved)
+        device = next(self.policy.parameters()).device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # sampling beside training
         self.generator = torch.Generator(device=state.sampler.device)
         self.generator.set_state(state.sampler.get_state())
         self.data_pos = state.data_pos
@@ -162,6 +165,8 @@ class ThreadedRounds:
         if publishes(step, self.weight_sync_steps):
             with self.generating() as policy:
                 weights = weights_of(policy)
+            if self.stream is not None:  # the copy is made before the sampler's stream reads it
+                torch.cuda.current_stream().synchronize()
             with self.changed:
                 self.versions.publish(step, weights)
 
@@ -178,6 +183,10 @@ class ThreadedRounds:
     # -- the sampler's side
 
     def _sample_rounds(self) -> None:
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            self._sample_rounds_on_stream()
+
+    def _sample_rounds_on_stream(self) -> None:
         loaded = None  # the weights the sampler's copy holds
         try:
             for q in range(self.rounds):
@@ -192,6 +201,8 @@ class ThreadedRounds:
                 rows = self.draw(self.data_pos)
                 self.data_pos += self.prompts_per_round
                 rollout, turns = self.sample(self.policy, rows, self.generator, f"round {q + 1} rollout (sampler)")
+                if self.stream is not None:  # the round's tensors are written before the trainer reads them
+                    self.stream.synchronize()
                 self.ready.put(SampledRound(rows, rollout, turns, version, self.generator.get_state()))
         except BaseException as e:  # the trainer raises it at its next round
             self.ready.put(e)
