@@ -199,7 +199,7 @@ FOREIGN = {
     "heartbeat_stale_after_s": "TRL's AsyncGRPOConfig; rlcore's is rollout.sampler_timeout (seconds a trainer waits "
                                "for a round, or a sampler rank for weights, before the run stops)",
     "weight_sync_timeout": "TRL's AsyncGRPOConfig; rollout.sampler_timeout bounds every wait of rlcore's samplers",
-    "async_enable": "OpenRLHF's; " + ASYNC,
+    "async_train": "OpenRLHF's; " + ASYNC,
     "async_training": "verl's fully_async_policy tree; " + ASYNC,
     "async_level": "prime-rl's; " + ASYNC,
     "actor_rollout_ref": "verl's config tree; rlcore takes TRL's names: rollout.n -> rollout.num_generations, "

@@ -20,6 +20,7 @@ gloo).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import pickle
 from collections.abc import Callable
@@ -46,6 +47,7 @@ class Ranks:
         self.training = dist.new_group(list(range(self.trainers)), timeout=self.timeout)
         self.weights = dist.new_group([0, *range(self.trainers, world)], timeout=self.timeout)
         self.bytes = dist.new_group([0, *range(self.trainers, world)], backend="gloo", timeout=self.timeout)
+        self.mail = dist.new_group(list(range(world)), backend="gloo", timeout=self.timeout)  # rounds, on the CPU
         if self.rank < self.trainers:
             collectives.train_among(self.training)
 
@@ -71,20 +73,20 @@ class Ranks:
                 f"{self.timeout.total_seconds():g} s ({cause}); the run stops here. {resume}") from None
 
 
-def send_object(obj, to: int) -> list:
+def send_object(ranks: Ranks, obj, to: int) -> list:
     """Send `obj` to rank `to` as a pickled byte tensor (its length first); the pending works,
     which hold the tensors until sent."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     size = torch.tensor([data.numel()], dtype=torch.long)
-    return [(dist.isend(size, to), size), (dist.isend(data, to), data)]
+    return [(dist.isend(size, to, group=ranks.mail), size), (dist.isend(data, to, group=ranks.mail), data)]
 
 
 def receive_object(ranks: Ranks, source: int, what: str, resume: str):
     """The object `send_object` sent from rank `source` (rlcore's own ranks: unpickling is trusted)."""
     size = torch.zeros(1, dtype=torch.long)
-    ranks.wait(lambda: dist.irecv(size, source), what, source, resume)
+    ranks.wait(lambda: dist.irecv(size, source, group=ranks.mail), what, source, resume)
     data = torch.empty(int(size.item()), dtype=torch.uint8)
-    ranks.wait(lambda: dist.irecv(data, source), what, source, resume)
+    ranks.wait(lambda: dist.irecv(data, source, group=ranks.mail), what, source, resume)
     return pickle.loads(data.numpy().tobytes())
 
 
@@ -155,7 +157,8 @@ def serve_rounds(ranks: Ranks, policy: torch.nn.Module, sample: Sample, draw_all
     dist.broadcast_object_list(start, src=0, group=ranks.bytes)
     rounds, data_pos, rngs = start[0]["rounds"], start[0]["data_pos"], start[0]["rngs"]
     mine = [r for r in range(ranks.trainers) if ranks.sampler_of(r) == ranks.rank]
-    generators = {r: torch.Generator().set_state(rngs[r]) for r in mine}
+    device = next(policy.parameters()).device
+    generators = {r: torch.Generator(device=device).set_state(rngs[r]) for r in mine}
     tensors = list(policy.state_dict().values())  # received in place: the same order trainer 0 sends
     pending = []
     for q in range(rounds):
@@ -171,7 +174,9 @@ def serve_rounds(ranks: Ranks, policy: torch.nn.Module, sample: Sample, draw_all
         for r in mine:
             chunk = rows[r * completions_per_rank:(r + 1) * completions_per_rank]
             rollout, turns = sample(policy, chunk, generators[r], f"round {q + 1} rollout (rank {ranks.rank})")
+            rollout = dataclasses.replace(rollout, **{name: value.cpu() for name, value in vars(rollout).items()
+                                                      if isinstance(value, torch.Tensor)})  # off this rank's GPU
             pending = [(work, kept) for work, kept in pending if not work.is_completed()]
-            pending += send_object((rollout, turns, version, generators[r].get_state()), r)
+            pending += send_object(ranks, (rollout, turns, version, generators[r].get_state()), r)
     for work, _ in pending:
         work.wait(ranks.timeout)
