@@ -224,9 +224,9 @@ def run_rlcore(options: dict, model_dir, script: Script, tmp_path, monkeypatch, 
 
         real_turns, real_aggregate = rlcore.run.setup.Run.tool_turns, rlcore.train.aggregate_loss
 
-        def tool_turns(run, rows):
+        def tool_turns(run, rows, **kwargs):
             drawn.append([row["prompt"] for row in rows[::G]])
-            return real_turns(run, rows)
+            return real_turns(run, rows, **kwargs)
 
         def aggregate_loss(*args, **kwargs):
             loss = real_aggregate(*args, **kwargs)
