@@ -234,9 +234,36 @@ def test_tool_turns_and_environments_sampled_by_a_rank_equal_the_one_process_loo
     assert [without_timing(r) for r in rows(tmp_path / "two")] == [without_timing(r) for r in rows(tmp_path / "one")]
 
 
-def test_rollout_ranks_with_fsdp_is_a_config_error(tmp_path):
-    with pytest.raises(ConfigError, match="train replicated; set train.fsdp = false"):
-        load_config(DEFAULT_CONFIG, ["rollout.rollout_ranks=1", "train.fsdp=true"], world_size=2)
+def torchrun_ranks(tmp_path, ranks: int, *args) -> subprocess.CompletedProcess:
+    """`ranks` torchrun ranks of `rlcore` with `args` (test_train.torchrun's, for any count)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+           "-m", "rlcore.cli", *args]
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_two_sharded_trainers_and_a_sampler_rank_train_as_two_sharded_ranks_and_resume_exactly(tmp_path):
+    """FSDP2 over the training ranks' own group: at staleness 0, 2 sharded trainers fed by 1
+    sampler rank equal 2 sharded ranks that sample for themselves; at staleness 1, a run stopped at
+    its step-2 checkpoint and resumed (the version fixed for round 3 in its sharded checkpoint's
+    state) ends where an uninterrupted one does."""
+    sharded = ["train.fsdp=true", "train.per_device_train_batch_size=8", "train.lr_scheduler_type=constant",
+               "train.max_steps=4", "train.save_steps=2"]
+    for name, ranks, extra in (("two", 2, []), ("three", 3, ["rollout.rollout_ranks=1"])):
+        out = torchrun_ranks(tmp_path, ranks, *cli_args(tmp_path / name, *sharded, *extra))
+        assert out.returncode == 0, out.stderr[-3000:]
+    assert [without_timing(r) for r in rows(tmp_path / "three")] == [without_timing(r) for r in rows(tmp_path / "two")]
+    assert_same_run(tmp_path / "two", tmp_path / "three", 4)
+
+    stale = [*sharded, "rollout.rollout_ranks=1", "rollout.max_staleness=1", "loss.tis_mode=token_truncate"]
+    out = torchrun_ranks(tmp_path, 3, *cli_args(tmp_path / "whole", *stale))
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = torchrun_ranks(tmp_path, 3, *cli_args(tmp_path / "resumed", *stale, "train.max_steps=2"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = torchrun_ranks(tmp_path, 3, "train", "--resume", str(tmp_path / "resumed"), "--set", "train.max_steps=4")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_same_run(tmp_path / "whole", tmp_path / "resumed", 4)
+    assert [r["async/staleness"] for r in rows(tmp_path / "resumed")] == [0, 1, 1, 1]
 
 
 def test_trls_async_names_load_and_the_others_name_rlcores_options():

@@ -345,9 +345,6 @@ def async_problems(config: Config, world_size: int) -> list[str]:
         problems.append(f"rollout.rollout_ranks = {rollout.rollout_ranks} must be >= 0 and below the world size "
                         f"({world_size} rank(s)): at least one rank must train; launch more ranks with torchrun "
                         f"--nproc_per_node, or set rollout_ranks = 0 (every rank samples and trains)")
-    if rollout.rollout_ranks and config.train.fsdp:
-        problems.append(f"rollout.rollout_ranks = {rollout.rollout_ranks} with train.fsdp = true: the trainer ranks "
-                        f"of a disaggregated run train replicated; set train.fsdp = false, or rollout_ranks = 0")
     if rollout.rollout_ranks and rollout.sampler_thread:
         problems.append("rollout.sampler_thread = true and rollout.rollout_ranks = "
                         f"{rollout.rollout_ranks}: rounds come from a thread or from ranks of their own, not both; "

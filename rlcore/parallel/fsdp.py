@@ -80,6 +80,15 @@ def _fully_shard(module: nn.Module, mesh, policy, offload, reshard_after_forward
     module.register_forward_pre_hook(_show_prefix, with_kwargs=True)
 
 
+_trainers = None  # the process group of the training ranks (None: every rank; rlcore.parallel.sampler_ranks)
+
+
+def train_among(group) -> None:
+    """Shard over, and checkpoint with, `group`: the ranks that train, when others only sample."""
+    global _trainers
+    _trainers = group
+
+
 def shard(model: Transformer, world: int, device: torch.device, bf16: bool, offload: bool = False) -> Transformer:
     """Wrap each block of `model`, then the root, with FSDP2 over `world` ranks, in place; with
     `bf16`, blocks compute with bf16 copies of the fp32 shards and reduce gradients in fp32; with
@@ -87,10 +96,11 @@ def shard(model: Transformer, world: int, device: torch.device, bf16: bool, offl
     and each block's are copied to `device` for its forward and backward. The root keeps its
     parameters gathered after its forward (see the module docstring), and every backward
     accumulates without reducing until `sync_gradients` says it is a step's last."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-    mesh = init_device_mesh(device.type, (world,))
+    mesh = init_device_mesh(device.type, (world,)) if _trainers is None else DeviceMesh.from_group(_trainers,
+                                                                                                   device.type)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                   reduce_dtype=torch.float32 if bf16 else None)
     placement = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
@@ -192,7 +202,8 @@ def save_shards(directory: Path, model: nn.Module, opt: torch.optim.Optimizer) -
     import torch.distributed.checkpoint as dcp
 
     with _one_process_quietly():
-        dcp.save(_state(model, opt), checkpoint_id=directory, no_dist=not dist.is_initialized())
+        dcp.save(_state(model, opt), checkpoint_id=directory, no_dist=not dist.is_initialized(),
+                 process_group=_trainers)
 
 
 def load_shards(directory: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -203,7 +214,7 @@ def load_shards(directory: Path, model: nn.Module, opt: torch.optim.Optimizer) -
 
     state = _state(model, opt)
     with _one_process_quietly():
-        dcp.load(state, checkpoint_id=directory, no_dist=not dist.is_initialized())
+        dcp.load(state, checkpoint_id=directory, no_dist=not dist.is_initialized(), process_group=_trainers)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                    options=StateDictOptions(strict=False))
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from rlcore.parallel import collectives
+from rlcore.parallel import collectives, fsdp
 from rlcore.rollout.sources import Sample, SampledRound, Versions, publishes, weights_of
 
 
@@ -50,6 +50,7 @@ class Ranks:
         self.mail = dist.new_group(list(range(world)), backend="gloo", timeout=self.timeout)  # rounds, on the CPU
         if self.rank < self.trainers:
             collectives.train_among(self.training)
+            fsdp.train_among(self.training)
 
     @property
     def samples(self) -> bool:
@@ -101,9 +102,10 @@ class RemoteRounds:
         self.pending, self.sent = [], None  # rank 0: broadcasts in flight; the weights the samplers hold
         self.versions = None
         rngs = collectives.gather_objects(state.sampler.get_state(), ranks.trainers)  # each trainer's stream
-        if ranks.rank == 0:
-            with generating() as policy:
+        with generating() as policy:  # under FSDP every trainer gathers the weights; rank 0 keeps them
+            if ranks.rank == 0:
                 self.versions = Versions(staleness, (state.step, weights_of(policy)), saved)
+        if ranks.rank == 0:
             start = [{"rounds": rounds, "data_pos": state.data_pos, "rngs": rngs}]
             dist.broadcast_object_list(start, src=0, group=ranks.bytes)
             for q in range(min(staleness, rounds)):  # the rounds before the first s: their versions now
@@ -137,9 +139,10 @@ class RemoteRounds:
                             version, rng)
 
     def trained(self, step: int) -> None:
-        if self.versions is not None and publishes(step, self.weight_sync_steps):
-            with self.generating() as policy:
-                self.versions.publish(step, weights_of(policy))
+        if publishes(step, self.weight_sync_steps):
+            with self.generating() as policy:  # every trainer, as above
+                if self.versions is not None:
+                    self.versions.publish(step, weights_of(policy))
 
     def resume_point(self) -> dict:
         return {} if self.versions is None else self.versions.resume_point()

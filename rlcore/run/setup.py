@@ -416,7 +416,7 @@ def setup(cfg: Config, resume: str | os.PathLike | RunDir | None = None) -> Run:
     run_dir.create(cfg, world)  # every input loaded and checked: a bad one leaves no run directory behind
 
     engine = None
-    if train_cfg.fsdp and world > 1:  # one rank has nothing to shard: it trains as the replicated mode does
+    if train_cfg.fsdp and world > 1 and not (ranks and ranks.samples):  # 1 rank: nothing to shard; a sampler: whole
         engine = fsdp.EngineCopy(model)  # the rollout's plain copy, before the weights are sharded
         fsdp.shard(model, world, device, train_cfg.bf16, train_cfg.fsdp_offload)
         if ref is not None:
