@@ -1,12 +1,12 @@
 """Disaggregated rollouts: under torchrun, rollout.rollout_ranks = k ranks only sample and the
 others only train.
 
-Of W ranks, 0 .. T-1 train (T = W - k; their collectives run in a group of their own, so the loop
-is the loop of T ranks) and T .. W-1 sample. Trainer rank 0 and the samplers form a second group,
-the weights group: over it trainer rank 0 broadcasts, once, where the run starts (the data
-position, each trainer's sampler RNG), then for each round the version of the weights that samples
-it (`Versions` in rlcore.rollout.sources fixes which), the tensors themselves only when they are a
-version the samplers do not hold yet. A round's rows are cut as for T ranks that sample their own:
+Of W ranks, 0 .. T-1 train (T = W - k; their collectives, FSDP2's included, run in a group of
+their own, so the loop is the loop of T ranks) and T .. W-1 sample. Trainer rank 0 and the
+samplers form two more groups: over them trainer rank 0 broadcasts, once, where the run starts
+(the data position, each trainer's sampler RNG), then for each round the version of the weights
+that samples it (`Versions` in rlcore.rollout.sources fixes which), the tensors themselves only
+when they are a version the samplers do not hold yet. A round's rows are cut as for T ranks that sample their own:
 trainer rank r's rows are sampled with trainer r's RNG stream, by sampler rank T + r % k, and sent
 to rank r point to point as a pickled byte tensor (the rollout, its tool turns, the version, the
 RNG state after it). So the run samples exactly what T ranks that sample for themselves would, at
@@ -14,8 +14,8 @@ the same staleness, and a resume continues it the same way.
 
 Every wait has a deadline (rollout.sampler_timeout), and a peer that dies closes its connections:
 either way the waiting rank stops with an error that says which rank and how to resume, instead
-of hanging. gloo on CPU; on GPU the weights group is NCCL like the rest (the round's bytes go over
-gloo).
+of hanging. gloo on CPU; on GPU the weights go over NCCL like the rest, and the headers and the
+rounds' bytes over gloo.
 """
 
 from __future__ import annotations
@@ -43,10 +43,11 @@ class Ranks:
     def __init__(self, world: int, samplers: int, timeout: float):
         self.world, self.trainers, self.samplers = world, world - samplers, samplers
         self.rank, self.timeout = dist.get_rank(), datetime.timedelta(seconds=timeout)
-        # every rank creates both groups, in this order (new_group is collective over the whole world)
+        # every rank creates every group, in this order (new_group is collective over the whole world)
         self.training = dist.new_group(list(range(self.trainers)), timeout=self.timeout)
-        self.weights = dist.new_group([0, *range(self.trainers, world)], timeout=self.timeout)
-        self.bytes = dist.new_group([0, *range(self.trainers, world)], backend="gloo", timeout=self.timeout)
+        self.weights = dist.new_group([0, *range(self.trainers, world)], timeout=self.timeout)  # the tensors
+        self.bytes = dist.new_group([0, *range(self.trainers, world)], backend="gloo",
+                                    timeout=self.timeout)  # the start and each round's header, on the CPU
         self.mail = dist.new_group(list(range(world)), backend="gloo", timeout=self.timeout)  # rounds, on the CPU
         if self.rank < self.trainers:
             collectives.train_among(self.training)
