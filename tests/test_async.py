@@ -18,7 +18,8 @@ import rlcore.train
 from rlcore import ConfigError
 from rlcore.rollout.sources import SampledRound
 from rlcore.train import next_prompts, sample_round, train
-from test_train import assert_same_run, cli_args, config, rows, run_and_crash, torchrun, without_timing
+from test_train import assert_same_run, cli_args, config, rows, torchrun, without_timing
+from test_resume import run_and_crash
 from rlcore.cli import DEFAULT_CONFIG, main
 from rlcore.config import load_config
 from rlcore.run.checkpoints import latest_checkpoint

@@ -15,7 +15,8 @@ from rlcore.models.tokenizer import Tokenizer
 from rlcore.train import train
 
 from conftest import EMBEDDED_SEED
-from test_train import config, rows, run_and_crash, weights
+from test_train import config, rows, weights
+from test_resume import run_and_crash
 
 pytestmark = pytest.mark.usefixtures("embedded_dir")
 

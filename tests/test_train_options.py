@@ -18,7 +18,8 @@ import rlcore.train
 from rlcore.run.checkpoints import latest_checkpoint
 from rlcore.cli import main
 from rlcore.train import train
-from test_train import cli_args, config, rows, run_and_crash, torchrun, weights, without_timing
+from test_train import cli_args, config, rows, torchrun, weights, without_timing
+from test_resume import run_and_crash
 
 pytestmark = pytest.mark.usefixtures("embedded_dir")  # conftest: the embedded model, one torch thread
 
