@@ -80,17 +80,10 @@ def _fully_shard(module: nn.Module, mesh, policy, offload, reshard_after_forward
     module.register_forward_pre_hook(_show_prefix, with_kwargs=True)
 
 
-_trainers = None  # the process group of the training ranks (None: every rank; rlcore.parallel.sampler_ranks)
-
-
-def train_among(group) -> None:
-    """Shard over, and checkpoint with, `group`: the ranks that train, when others only sample."""
-    global _trainers
-    _trainers = group
-
-
-def shard(model: Transformer, world: int, device: torch.device, bf16: bool, offload: bool = False) -> Transformer:
-    """Wrap each block of `model`, then the root, with FSDP2 over `world` ranks, in place; with
+def shard(model: Transformer, world: int, device: torch.device, bf16: bool, offload: bool = False,
+          group=None) -> Transformer:
+    """Wrap each block of `model`, then the root, with FSDP2 over `world` ranks (those of `group`,
+    when others only sample: rlcore.parallel.sampler_ranks; None: every rank), in place; with
     `bf16`, blocks compute with bf16 copies of the fp32 shards and reduce gradients in fp32; with
     `offload`, the shards, their gradients and AdamW's state live in CPU memory (AdamW steps there)
     and each block's are copied to `device` for its forward and backward. The root keeps its
@@ -99,8 +92,7 @@ def shard(model: Transformer, world: int, device: torch.device, bf16: bool, offl
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-    mesh = init_device_mesh(device.type, (world,)) if _trainers is None else DeviceMesh.from_group(_trainers,
-                                                                                                   device.type)
+    mesh = init_device_mesh(device.type, (world,)) if group is None else DeviceMesh.from_group(group, device.type)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                   reduce_dtype=torch.float32 if bf16 else None)
     placement = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
@@ -196,6 +188,12 @@ def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
     return {"model": {k: v for k, v in weights.items() if k in trainable}, "optimizer": optimizer}
 
 
+def _process_group(model: nn.Module):
+    """The process group `model` is sharded over (None: a model that is not sharded)."""
+    mesh = getattr(next(model.parameters()), "device_mesh", None)
+    return None if mesh is None else mesh.get_group()
+
+
 def save_shards(directory: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
     """Write the trainable weights and the optimizer state into `directory` with DCP; every rank
     calls it and writes its own shards (collective when a process group runs)."""
@@ -203,7 +201,7 @@ def save_shards(directory: Path, model: nn.Module, opt: torch.optim.Optimizer) -
 
     with _one_process_quietly():
         dcp.save(_state(model, opt), checkpoint_id=directory, no_dist=not dist.is_initialized(),
-                 process_group=_trainers)
+                 process_group=_process_group(model))
 
 
 def load_shards(directory: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -214,7 +212,8 @@ def load_shards(directory: Path, model: nn.Module, opt: torch.optim.Optimizer) -
 
     state = _state(model, opt)
     with _one_process_quietly():
-        dcp.load(state, checkpoint_id=directory, no_dist=not dist.is_initialized(), process_group=_trainers)
+        dcp.load(state, checkpoint_id=directory, no_dist=not dist.is_initialized(),
+                 process_group=_process_group(model))
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                    options=StateDictOptions(strict=False))
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from rlcore.parallel import collectives, fsdp
+from rlcore.parallel import collectives
 from rlcore.rollout.sources import Sample, SampledRound, Versions, publishes, weights_of
 
 
@@ -51,7 +51,6 @@ class Ranks:
         self.mail = dist.new_group(list(range(world)), backend="gloo", timeout=self.timeout)  # rounds, on the CPU
         if self.rank < self.trainers:
             collectives.train_among(self.training)
-            fsdp.train_among(self.training)
 
     @property
     def samples(self) -> bool:

@@ -418,9 +418,10 @@ def setup(cfg: Config, resume: str | os.PathLike | RunDir | None = None) -> Run:
     engine = None
     if train_cfg.fsdp and world > 1 and not (ranks and ranks.samples):  # 1 rank: nothing to shard; a sampler: whole
         engine = fsdp.EngineCopy(model)  # the rollout's plain copy, before the weights are sharded
-        fsdp.shard(model, world, device, train_cfg.bf16, train_cfg.fsdp_offload)
+        group = ranks.training if ranks else None  # FSDP over the training ranks alone
+        fsdp.shard(model, world, device, train_cfg.bf16, train_cfg.fsdp_offload, group)
         if ref is not None:
-            fsdp.shard(ref, world, device, train_cfg.bf16, train_cfg.fsdp_offload)
+            fsdp.shard(ref, world, device, train_cfg.bf16, train_cfg.fsdp_offload, group)
     opt = adamw(model, train_cfg)
     schedule = lr_lambda(cfg, max_steps)
     return Run(cfg=cfg, rank=rank, world=world, device=device, dir=run_dir, model_dir=model_dir, tok=tok, model=model,
